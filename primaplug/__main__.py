@@ -1,0 +1,3 @@
+from primaplug.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,39 @@
+"""The errors primaplug raises. Each message says what went wrong and what to do about it."""
+
+from __future__ import annotations
+
+
+class PrimaplugError(Exception):
+    """Root of every error primaplug raises on purpose."""
+
+
+class ModelFormatError(PrimaplugError):
+    """A file is not a GGUF model primaplug can read."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"{path}: {reason}")
+
+
+class UnsupportedArchitectureError(PrimaplugError):
+    """The model's architecture has no layer-window support in the patched engine."""
+
+    def __init__(self, arch: str, supported: tuple[str, ...]) -> None:
+        self.arch = arch
+        self.supported = supported
+        super().__init__(
+            f"architecture '{arch}' cannot run in layer windows; supported architectures: {', '.join(supported)}"
+        )
+
+
+class WindowRangeError(PrimaplugError):
+    """A layer window does not fit the model, or does not fit what was loaded."""
+
+
+class EngineError(PrimaplugError):
+    """The native engine failed (a llama.cpp call returned an error code or NULL)."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        self.code = code
+        super().__init__(message if code is None else f"{message} (code {code})")

@@ -1,0 +1,40 @@
+"""The engine: the patched llama.cpp behind llama-cpp-python, run one layer window at a time.
+
+    from primaplug.engine import Model, read_layout
+    layout = read_layout(path)                   # byte ranges and shapes from the GGUF header
+    with Model(path, [(0, 9), (9, 18)]) as m:    # maps the file; only these layers are ever read
+        first, last = m.window(0, 9), m.window(9, 18)
+        logits = last.forward(first.forward(m.tokenize("Hello"), 0), 0)
+
+This is the only package that imports llama_cpp. `read_layout`/`ModelLayout` do not: they are imported
+eagerly, while Model, Window and WindowChain load the native library on first use (PEP 562), so the planner
+and the prefetcher can read layouts without it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from primaplug.engine.layout import SUPPORTED_ARCHS, ModelLayout, TensorSpan, read_layout
+
+if TYPE_CHECKING:
+    from primaplug.engine.chain import WindowChain
+    from primaplug.engine.model import ContextSettings, Model, Window
+
+_LAZY = {
+    "Model": "primaplug.engine.model",
+    "Window": "primaplug.engine.model",
+    "ContextSettings": "primaplug.engine.model",
+    "WindowChain": "primaplug.engine.chain",
+}
+
+__all__ = ["SUPPORTED_ARCHS", "ContextSettings", "Model", "ModelLayout", "TensorSpan", "Window", "WindowChain",
+           "read_layout"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'primaplug.engine' has no attribute {name!r}")

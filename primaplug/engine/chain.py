@@ -1,0 +1,55 @@
+"""Windows chained in one process, in ring order: what a pipelined ring computes, without the network.
+
+Used by `primaplug run` when no nodes are given, by the benchmarks, and by the tests that prove a split
+model computes what the whole model computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from primaplug.core.windows import LayerRange, check_cover
+from primaplug.engine.model import ContextSettings, Model, Window
+
+
+class WindowChain:
+    """Runs a token batch through windows [0, a), [a, b), ..., [z, n_layer) of one Model, in order.
+
+    With head_output=True the last window also returns its hidden state and an output-only window turns
+    it into logits, as when the model's last layer runs on a device other than the head.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        windows: Sequence[LayerRange],
+        *,
+        settings: ContextSettings | None = None,
+        head_output: bool = False,
+    ) -> None:
+        n_layer = model.layout.n_layer
+        check_cover(windows, n_layer)
+        self.windows: list[Window] = [
+            model.window(w.start, w.end, output_hidden=w.end < n_layer or head_output, settings=settings)
+            for w in windows
+        ]
+        if head_output:
+            self.windows.append(model.window(n_layer, n_layer, settings=settings))
+
+    def forward(self, tokens: Sequence[int] | np.ndarray, pos0: int, *, seq_id: int = 0,
+                logits: str = "last") -> np.ndarray:
+        """Logits of the last token (logits="last") or of every token ("all") of the batch."""
+        x: Sequence[int] | np.ndarray = tokens
+        for w in self.windows:
+            x = w.forward(x, pos0, seq_id=seq_id, logits=logits)
+        return np.asarray(x)
+
+    def kv_remove(self, seq_id: int, p0: int, p1: int = -1) -> None:
+        for w in self.windows:
+            w.kv_remove(seq_id, p0, p1)
+
+    def kv_clear(self) -> None:
+        for w in self.windows:
+            w.kv_clear()

@@ -1,0 +1,302 @@
+"""Where a GGUF model's weights lie in its file, read from the header alone.
+
+The prefetcher pages windows in and out by these byte ranges, and the planner sizes windows by these byte
+counts. Reading the layout never loads the native engine and never touches tensor data.
+
+The header is parsed here with the `gguf` package's type tables rather than with `gguf.GGUFReader`:
+the reader turns every vocabulary entry into numpy views and took 30 s on Gemma 3's 262k-token vocabulary
+on a 2-core machine; this parser skips the arrays it does not need and takes well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import re
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+from primaplug.core.errors import ModelFormatError, UnsupportedArchitectureError
+from primaplug.core.windows import LayerRange
+
+# Architectures whose graphs the patch (patches/0001) can split into windows; must match
+# llama_window_supported_archs() in the engine (a test checks it).
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+
+# Gemma 3 alternates five sliding-window layers with one global layer (llama.cpp: load_swa_pattern(ml, 6)).
+_SWA_PATTERN = {"gemma3": 6}
+
+_SCALAR = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.")
+# arrays longer than this (vocabularies, merges) are skipped, not decoded
+_MAX_DECODED_ARRAY = 4096
+
+
+@dataclass(frozen=True)
+class TensorSpan:
+    """One tensor's place in the file."""
+
+    name: str
+    type_name: str
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+    layer: int | None  # the block it belongs to, or None for embedding/output tensors
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """A GGUF model's shape and the byte ranges of its tensors."""
+
+    path: str
+    file_size: int
+    header_sha256: str  # hash of everything before the tensor data: metadata and tensor table
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_vocab: int
+    n_head: int
+    n_head_kv: tuple[int, ...]  # per layer
+    head_dim_k: int
+    head_dim_v: int
+    n_ctx_train: int
+    sliding_window: int | None
+    swa_layers: tuple[bool, ...]  # per layer: True for a sliding-window attention layer
+    data_offset: int
+    tensors: tuple[TensorSpan, ...] = field(repr=False)
+
+    # --- identity and support ---------------------------------------------------------------------------
+
+    @property
+    def identity(self) -> str:
+        """Names this exact model: file size plus a hash of its header and tensor table."""
+        return f"{self.file_size}:{self.header_sha256[:32]}"
+
+    @property
+    def supports_windows(self) -> bool:
+        return self.arch in SUPPORTED_ARCHS
+
+    def check_supported(self) -> None:
+        if not self.supports_windows:
+            raise UnsupportedArchitectureError(self.arch, SUPPORTED_ARCHS)
+
+    # --- tensors by role ----------------------------------------------------------------------------------
+
+    @cached_property
+    def _by_layer(self) -> dict[int | None, tuple[TensorSpan, ...]]:
+        groups: dict[int | None, list[TensorSpan]] = {}
+        for t in self.tensors:
+            groups.setdefault(t.layer, []).append(t)
+        return {k: tuple(v) for k, v in groups.items()}
+
+    def layer_tensors(self, layer: int) -> tuple[TensorSpan, ...]:
+        return self._by_layer.get(layer, ())
+
+    def layer_bytes(self, layer: int) -> int:
+        return sum(t.nbytes for t in self.layer_tensors(layer))
+
+    def tensor(self, name: str) -> TensorSpan | None:
+        return next((t for t in self.tensors if t.name == name), None)
+
+    @property
+    def input_tensors(self) -> tuple[TensorSpan, ...]:
+        """What the head reads to embed tokens."""
+        t = self.tensor("token_embd.weight")
+        return (t,) if t else ()
+
+    @property
+    def output_tensors(self) -> tuple[TensorSpan, ...]:
+        """What the output layer reads: the output norm and the lm_head (the token embedding when tied)."""
+        head = self.tensor("output.weight") or self.tensor("token_embd.weight")
+        return tuple(t for t in (self.tensor("output_norm.weight"), head) if t)
+
+    @property
+    def output_tied(self) -> bool:
+        """True when the lm_head is the token embedding matrix (no output.weight in the file)."""
+        return self.tensor("output.weight") is None
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(t.nbytes for t in self.input_tensors)
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(t.nbytes for t in self.output_tensors)
+
+    # --- byte ranges ---------------------------------------------------------------------------------------
+
+    def window_ranges(self, window: LayerRange) -> list[tuple[int, int]]:
+        """Merged (offset, length) byte ranges of the tensors of the layers in the window."""
+        window.check_within(self.n_layer)
+        spans = [t for il in range(window.start, window.end) for t in self.layer_tensors(il)]
+        return merge_ranges((t.offset, t.nbytes) for t in spans)
+
+    def output_ranges(self) -> list[tuple[int, int]]:
+        return merge_ranges((t.offset, t.nbytes) for t in self.output_tensors)
+
+    # --- KV cache ----------------------------------------------------------------------------------------
+
+    def kv_bytes_per_token(self, layer: int, bytes_per_value: int = 2) -> int:
+        """KV-cache bytes one token takes in one layer (F16 cache by default)."""
+        return self.n_head_kv[layer] * (self.head_dim_k + self.head_dim_v) * bytes_per_value
+
+
+def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sort (offset, length) ranges and merge those that touch or overlap."""
+    out: list[list[int]] = []
+    for off, length in sorted(ranges):
+        if out and off <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], off + length - out[-1][0])
+        else:
+            out.append([off, length])
+    return [(a, b) for a, b in out]
+
+
+# --- parsing ---------------------------------------------------------------------------------------------
+
+
+class _Cursor:
+    def __init__(self, buf: mmap.mmap | bytes, path: str) -> None:
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def unpack(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.buf):
+            raise ModelFormatError(self.path, "the GGUF header is truncated")
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def string(self) -> str:
+        n = int(self.unpack("<Q"))
+        if self.pos + n > len(self.buf):
+            raise ModelFormatError(self.path, "the GGUF header is truncated")
+        s = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", errors="replace")
+        self.pos += n
+        return s
+
+    def value(self, vtype: int) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        if vtype == GGUFValueType.ARRAY:
+            etype, count = int(self.unpack("<I")), int(self.unpack("<Q"))
+            if etype in _SCALAR and count > _MAX_DECODED_ARRAY:
+                self.pos += struct.calcsize(_SCALAR[GGUFValueType(etype)]) * count
+                return count
+            items = [self.value(etype) for _ in range(count)]
+            return count if count > _MAX_DECODED_ARRAY else items
+        try:
+            return self.unpack(_SCALAR[GGUFValueType(vtype)])
+        except (KeyError, ValueError):
+            raise ModelFormatError(self.path, f"unknown GGUF value type {vtype}") from None
+
+
+def read_layout(path: str | os.PathLike[str]) -> ModelLayout:
+    """Read a GGUF model's layout from its header (tensor data is not read)."""
+    path = str(path)
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise ModelFormatError(path, f"cannot open: {e.strerror}") from e
+    with f:
+        file_size = os.fstat(f.fileno()).st_size
+        if file_size < 24:
+            raise ModelFormatError(path, "too small to be a GGUF file")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return _parse(buf, path, file_size)
+
+
+def _parse(buf: mmap.mmap, path: str, file_size: int) -> ModelLayout:
+    cur = _Cursor(buf, path)
+    if bytes(buf[:4]) != b"GGUF":
+        raise ModelFormatError(path, "not a GGUF file (bad magic)")
+    cur.pos = 4
+    version = cur.unpack("<I")
+    if version not in (2, 3):
+        raise ModelFormatError(path, f"GGUF version {version} is not supported (need 2 or 3)")
+    n_tensors, n_kv = int(cur.unpack("<Q")), int(cur.unpack("<Q"))
+    kv: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        kv[key] = cur.value(int(cur.unpack("<I")))
+
+    raw: list[tuple[str, tuple[int, ...], int, int]] = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        n_dims = int(cur.unpack("<I"))
+        shape = tuple(int(cur.unpack("<Q")) for _ in range(n_dims))
+        raw.append((name, shape, int(cur.unpack("<I")), int(cur.unpack("<Q"))))
+    alignment = int(kv.get("general.alignment", 32))
+    data_offset = (cur.pos + alignment - 1) // alignment * alignment
+    header_sha256 = hashlib.sha256(buf[:data_offset]).hexdigest()
+
+    tensors = tuple(_span(path, name, shape, ttype, data_offset + rel) for name, shape, ttype, rel in raw)
+    for t in tensors:
+        if t.end > file_size:
+            raise ModelFormatError(path, f"tensor {t.name} ends at byte {t.end}, past the end of the file")
+    return _layout(path, file_size, header_sha256, data_offset, kv, tensors)
+
+
+def _span(path: str, name: str, shape: tuple[int, ...], ttype: int, offset: int) -> TensorSpan:
+    try:
+        qtype = GGMLQuantizationType(ttype)
+        block, type_size = GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        raise ModelFormatError(path, f"tensor {name} has unknown type {ttype}") from None
+    n = 1
+    for d in shape:
+        n *= d
+    m = _LAYER_TENSOR.match(name)
+    return TensorSpan(name, qtype.name, shape, offset, n // block * type_size, int(m.group(1)) if m else None)
+
+
+def _layout(
+    path: str, file_size: int, header_sha256: str, data_offset: int, kv: dict[str, Any],
+    tensors: tuple[TensorSpan, ...],
+) -> ModelLayout:
+    arch = str(kv.get("general.architecture", ""))
+    if not arch:
+        raise ModelFormatError(path, "no general.architecture in the GGUF metadata")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = kv.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelFormatError(path, f"no {arch}.{key} in the GGUF metadata")
+        return value
+
+    n_layer = int(get("block_count"))
+    n_embd = int(get("embedding_length"))
+    n_head = int(get("attention.head_count"))
+    head_kv = get("attention.head_count_kv", n_head)
+    n_head_kv = tuple(int(h) for h in head_kv) if isinstance(head_kv, list) else (int(head_kv),) * n_layer
+    head_dim_k = int(get("attention.key_length", n_embd // n_head))
+    head_dim_v = int(get("attention.value_length", head_dim_k))
+    tokens = kv.get("tokenizer.ggml.tokens")
+    n_vocab = int(kv.get(f"{arch}.vocab_size") or (tokens if isinstance(tokens, int) else len(tokens or [])))
+    embd = next((t for t in tensors if t.name == "token_embd.weight"), None)
+    if embd is not None and len(embd.shape) == 2:
+        n_vocab = embd.shape[1]
+    sliding = kv.get(f"{arch}.attention.sliding_window")
+    pattern = _SWA_PATTERN.get(arch)
+    swa = tuple(bool(sliding) and pattern is not None and il % pattern < pattern - 1 for il in range(n_layer))
+    return ModelLayout(
+        path=path, file_size=file_size, header_sha256=header_sha256, arch=arch, n_layer=n_layer, n_embd=n_embd,
+        n_vocab=n_vocab, n_head=n_head, n_head_kv=n_head_kv, head_dim_k=head_dim_k, head_dim_v=head_dim_v,
+        n_ctx_train=int(get("context_length", 0)),
+        sliding_window=int(sliding) if sliding else None,
+        swa_layers=swa, data_offset=data_offset, tensors=tensors,
+    )

