@@ -16,7 +16,7 @@ STAMP  := $(VENV)/.primaplug-installed
 .PHONY: run test setup engine bench clean
 
 run: setup
-	$(PY) -m primaplug run -p "$(PROMPT)" -n 48
+	$(PY) -m primaplug run -p "$(PROMPT)" -n 48 --verify
 
 test: setup
 	$(PY) -m pytest

@@ -66,10 +66,15 @@ def resident_bytes(path: str | os.PathLike[str], ranges: Iterable[tuple[int, int
 
 
 def drop_file_cache(path: str | os.PathLike[str], ranges: Iterable[tuple[int, int]] | None = None) -> None:
-    """Ask the kernel to drop the file's clean cached pages (all of them, or those of the given ranges)."""
+    """Ask the kernel to drop the file's clean cached pages (all of them, or every page the ranges touch).
+
+    Ranges are widened to whole pages: the kernel drops only pages that lie entirely inside the range.
+    """
     fd = os.open(path, os.O_RDONLY)
     try:
         for offset, length in ranges if ranges is not None else [(0, 0)]:
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+            start = offset // PAGE * PAGE
+            end = -(-(offset + length) // PAGE) * PAGE if length else 0
+            os.posix_fadvise(fd, start, end - start if length else 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)

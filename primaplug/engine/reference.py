@@ -1,0 +1,38 @@
+"""Plain llama-cpp-python on the whole model: the baseline every split run is checked and timed against."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import llama_cpp
+import numpy as np
+
+from primaplug.engine import _log
+from primaplug.engine.model import ContextSettings
+
+
+@contextmanager
+def plain_llama_forward(
+    path: str | os.PathLike[str], settings: ContextSettings
+) -> Iterator[Callable[[Sequence[int], int], np.ndarray]]:
+    """An ordinary llama_cpp.Llama with the same context sizes, as forward(tokens, pos) -> last logits."""
+    _log.install()
+    llm = llama_cpp.Llama(os.fspath(path), n_ctx=settings.n_ctx, n_batch=settings.n_batch,
+                          n_ubatch=settings.n_ubatch, n_threads=settings.n_threads or None,
+                          n_threads_batch=settings.n_threads or None, flash_attn=settings.flash_attn,
+                          logits_all=True, verbose=False)
+
+    def forward(tokens: Sequence[int], pos: int) -> np.ndarray:
+        if pos == 0:
+            llm.reset()
+        if pos != llm.n_tokens:
+            raise ValueError(f"plain Llama is at position {llm.n_tokens}, asked for {pos}")
+        llm.eval(list(tokens))
+        return llm.scores[llm.n_tokens - 1]
+
+    try:
+        yield forward
+    finally:
+        llm.close()
