@@ -238,7 +238,9 @@ class Window:
             self._decode(rows[i:j], pos[i:j], want, seq_id)
             if n_out:
                 src = _ll.llama_get_embeddings(self._ctx) if self.output_hidden else _ll.llama_get_logits(self._ctx)
-                out.append(np.ctypeslib.as_array(src, (n_out, width)).copy())
+                # one copy out of llama.cpp's buffer (np.ctypeslib.as_array costs more than the copy here)
+                raw = ctypes.string_at(ctypes.cast(src, ctypes.c_void_p).value or 0, n_out * width * 4)
+                out.append(np.frombuffer(raw, dtype=np.float32).reshape(n_out, width))
         return np.concatenate(out) if len(out) > 1 else out[0]
 
     def _rows(self, inputs: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -19,9 +19,10 @@ def plain_llama_forward(
 ) -> Iterator[Callable[[Sequence[int], int], np.ndarray]]:
     """An ordinary llama_cpp.Llama with the same context sizes, as forward(tokens, pos) -> last logits."""
     _log.install()
+    threads = settings.params().n_threads  # the windows' thread count (Llama's own default is half the cores)
     llm = llama_cpp.Llama(os.fspath(path), n_ctx=settings.n_ctx, n_batch=settings.n_batch,
-                          n_ubatch=settings.n_ubatch, n_threads=settings.n_threads or None,
-                          n_threads_batch=settings.n_threads or None, flash_attn=settings.flash_attn,
+                          n_ubatch=settings.n_ubatch, n_threads=threads, n_threads_batch=threads,
+                          flash_attn=settings.flash_attn,
                           logits_all=True, verbose=False)
 
     def forward(tokens: Sequence[int], pos: int) -> np.ndarray:
