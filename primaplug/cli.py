@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import logging
+import random
 import sys
 import time
 from pathlib import Path
@@ -56,7 +57,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     settings = ContextSettings(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
                                n_threads=args.threads)
-    params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    # a seed is drawn when none is given, so that --verify can replay the same draws
+    seed = args.seed if args.seed is not None else random.randrange(2**31)
+    params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, seed=seed)
     with Model(path, order) as model:
         prompt = model.tokenize(args.prompt)
         if len(prompt) + args.n_predict > args.ctx_size:
@@ -75,7 +78,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         sys.stdout.write(decoder.decode(b"", final=True) + "\n")
         print(f"primaplug: prompt {stats.prompt_tokens} tokens, generated {stats.generated}; "
               f"TTFT {stats.ttft_s * 1000:.1f} ms, TPOT {stats.tpot_s * 1000:.1f} ms, "
-              f"{stats.tokens_per_s:.1f} tokens/s", file=sys.stderr)
+              f"{stats.tokens_per_s:.1f} tokens/s (seed {seed})", file=sys.stderr)
         if args.verify:
             return _verify(path, prompt, tokens, params, settings, model.is_eog)
     return 0

@@ -39,3 +39,10 @@ def test_sampler_greedy_and_seeded() -> None:
     assert Sampler(SamplingParams(temperature=0))(logits) == int(np.argmax(logits))
     draws = [Sampler(SamplingParams(temperature=1.0, top_k=5, seed=7))(logits) for _ in range(3)]
     assert len(set(draws)) == 1 and draws[0] in np.argsort(logits)[-5:]
+
+
+def test_verify_without_a_seed_replays_the_drawn_seed(model_dir) -> None:
+    path = synthetic_path(model_dir, "llama", 7, "Q8_0")
+    out = run_cli("run", "-m", str(path), "-p", "ab", "-n", "10", "--temp", "1.0", "-c", "128", "--verify")
+    assert out.returncode == 0, out.stderr
+    assert "(seed " in out.stderr and "gave the same 10 tokens" in out.stderr
