@@ -37,6 +37,10 @@ def _sizes(text: str) -> list[int]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.nodes or args.local_nodes:
+        from primaplug.cli_ring import run_ring
+
+        return run_ring(args, Path(args.model) if args.model else default_model())
     from primaplug.decoding import GenerationStats, Sampler, SamplingParams, generate
     from primaplug.engine import ContextSettings, Model, WindowChain, read_layout
 
@@ -96,6 +100,50 @@ def _verify(path: Path, prompt: list[int], tokens: list[int], params, settings, 
     return 0 if same else 1
 
 
+def _addresses(text: str) -> list[str]:
+    addrs = [a.strip() for a in text.split(",") if a.strip()]
+    if not addrs or any(":" not in a for a in addrs):
+        raise argparse.ArgumentTypeError(f"--nodes takes HOST:PORT,HOST:PORT,...; got {text!r}")
+    return addrs
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    import platform
+    import signal
+
+    from primaplug.node import Node, NodeSettings
+    from primaplug.transport import Transport, load_keys, split_address
+
+    for name in ("primaplug.node", "primaplug.transport"):
+        if not args.verbose:
+            logging.getLogger(name).setLevel(logging.INFO)
+    host, port = split_address(args.listen)
+    keys = load_keys(args.keys) if args.keys else None
+    settings = NodeSettings(models=tuple(Path(m) for m in args.model), host=host, port=port,
+                            name=args.name or platform.node(), secure=keys is not None)
+    transport = Transport(keys)
+    try:
+        node = Node(settings, transport)
+        signal.signal(signal.SIGTERM, lambda *_: node.stop())
+        signal.signal(signal.SIGINT, lambda *_: node.stop())
+        ring = node.ring.address
+        ctl_host, _, ctl_port = node.control.address.rpartition(":")
+        print(f"primaplug node {node.name} ready: control {ctl_host}:{ctl_port} ring {ring}", flush=True)
+        node.serve()
+    finally:
+        transport.close()
+    return 0
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from primaplug.transport import generate_keys
+
+    keys = generate_keys(args.path)
+    print(f"wrote {args.path} (public key {keys.public.decode()}); copy it to every node and the head, "
+          "and pass --keys to each", file=sys.stderr)
+    return 0
+
+
 def cmd_layout(args: argparse.Namespace) -> int:
     from primaplug.engine import read_layout
 
@@ -133,7 +181,27 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
     run.add_argument("--verify", action="store_true",
                      help="also generate with plain llama-cpp-python on the whole model and compare the tokens")
+    run.add_argument("--nodes", type=_addresses, help="HOST:PORT of each `primaplug node`, in ring order")
+    run.add_argument("--local-nodes", type=int, default=0, metavar="N",
+                     help="start N nodes on this machine for this run, and stop them after")
+    run.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="GPU layers per node window (default 0)")
+    run.add_argument("--keys", help="cluster key file (primaplug keygen); needed for nodes off this machine")
+    run.add_argument("--listen", default="127.0.0.1", help="address the head receives the ring's output on")
+    run.add_argument("--timeout", type=float, default=5.0, help="seconds a silent node may take (default 5)")
     run.set_defaults(func=cmd_run)
+
+    node = sub.add_parser("node", help="run a node daemon that serves windows of a model to a ring")
+    node.add_argument("-m", "--model", action="append", required=True,
+                      help="GGUF file this node may load (repeat for several); no other file is ever opened")
+    node.add_argument("--listen", default="127.0.0.1:7000",
+                      help="HOST:PORT of the control channel; the ring uses PORT+1 (default 127.0.0.1:7000)")
+    node.add_argument("--name", help="name shown to the head (default: the host name)")
+    node.add_argument("--keys", help="cluster key file (primaplug keygen); required off loopback")
+    node.set_defaults(func=cmd_node)
+
+    keygen = sub.add_parser("keygen", help="make a cluster key file for CurveZMQ")
+    keygen.add_argument("path", nargs="?", default="cluster.key")
+    keygen.set_defaults(func=cmd_keygen)
 
     lay = sub.add_parser("layout", help="print a GGUF model's layers, sizes and KV bytes")
     lay.add_argument("-m", "--model", help="GGUF file (default: the bundled Gemma 3 270M)")

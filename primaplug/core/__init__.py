@@ -1,16 +1,24 @@
 """Pure values and rules shared by every part of primaplug: errors and layer windows. No I/O."""
 
 from primaplug.core.errors import (
+    ConfigError,
     EngineError,
     ModelFormatError,
+    NodeError,
+    NodeUnavailableError,
     PrimaplugError,
+    ProtocolError,
     UnsupportedArchitectureError,
     WindowRangeError,
 )
 from primaplug.core.windows import LayerRange, check_cover, even_split, execution_order, ring_windows
 
 __all__ = [
+    "ConfigError",
     "EngineError",
+    "NodeError",
+    "NodeUnavailableError",
+    "ProtocolError",
     "LayerRange",
     "ModelFormatError",
     "PrimaplugError",

@@ -37,3 +37,28 @@ class EngineError(PrimaplugError):
     def __init__(self, message: str, code: int | None = None) -> None:
         self.code = code
         super().__init__(message if code is None else f"{message} (code {code})")
+
+
+class ProtocolError(PrimaplugError):
+    """A message on the wire is malformed, of another protocol version, or does not fit its receiver."""
+
+
+class NodeError(PrimaplugError):
+    """A node refused a request or reported a failure. `node` names it, `code` says what kind."""
+
+    def __init__(self, node: str, code: str, message: str) -> None:
+        self.node = node
+        self.code = code
+        super().__init__(f"node {node}: {message}")
+
+
+class NodeUnavailableError(PrimaplugError):
+    """A node stopped answering: it died, hung, or its network went away."""
+
+    def __init__(self, node: str, message: str) -> None:
+        self.node = node
+        super().__init__(message)
+
+
+class ConfigError(PrimaplugError):
+    """The settings given cannot work (a missing key file, an address that needs keys, ...)."""

@@ -7,6 +7,8 @@ The patch adds functions only (no struct changes), so llama-cpp-python's struct 
 from __future__ import annotations
 
 import ctypes
+import os
+import sys
 
 import llama_cpp
 from llama_cpp import llama_cpp as _ll
@@ -14,6 +16,9 @@ from llama_cpp import llama_cpp as _ll
 from primaplug.core.errors import EngineError
 
 _lib = _ll._lib  # the libllama that llama-cpp-python loaded (honours LLAMA_CPP_LIB_PATH)
+
+_SO_PREFIX = "" if sys.platform == "win32" else "lib"
+_SO_SUFFIX = {"win32": ".dll", "darwin": ".dylib"}.get(sys.platform, ".so")
 
 LLAMA_WINDOW_PLACEMENT_SKIP = 0
 LLAMA_WINDOW_PLACEMENT_CPU = 1
@@ -61,6 +66,47 @@ llama_init_window_from_model = _bind(
     [_ll.llama_model_p_ctypes, _ll.llama_context_params, ctypes.c_int32, ctypes.c_int32, ctypes.c_bool],
     _ll.llama_context_p_ctypes,
 )
+
+
+# ggml's CPU thread pool (ggml.h, ggml-cpu.h). Without one, llama.cpp starts and joins fresh threads for every
+# decode call; a window chain makes several calls per token, so a process keeps one pool for all its windows.
+class ggml_threadpool_params(ctypes.Structure):
+    _fields_ = [
+        ("cpumask", ctypes.c_bool * 512),  # GGML_MAX_N_THREADS
+        ("n_threads", ctypes.c_int),
+        ("prio", ctypes.c_int),
+        ("poll", ctypes.c_uint32),
+        ("strict_cpu", ctypes.c_bool),
+        ("paused", ctypes.c_bool),
+    ]
+
+
+def _sibling(name: str) -> ctypes.CDLL:
+    return ctypes.CDLL(os.path.join(os.path.dirname(_lib._name), name))
+
+
+_ggml_base = _sibling(f"{_SO_PREFIX}ggml-base{_SO_SUFFIX}")
+_ggml_cpu = _sibling(f"{_SO_PREFIX}ggml-cpu{_SO_SUFFIX}")
+
+# GGML_API struct ggml_threadpool_params ggml_threadpool_params_default(int n_threads);
+ggml_threadpool_params_default = _ggml_base.ggml_threadpool_params_default
+ggml_threadpool_params_default.argtypes = [ctypes.c_int]
+ggml_threadpool_params_default.restype = ggml_threadpool_params
+
+# GGML_BACKEND_API struct ggml_threadpool * ggml_threadpool_new(struct ggml_threadpool_params * params);
+ggml_threadpool_new = _ggml_cpu.ggml_threadpool_new
+ggml_threadpool_new.argtypes = [ctypes.POINTER(ggml_threadpool_params)]
+ggml_threadpool_new.restype = ctypes.c_void_p
+
+# GGML_BACKEND_API void ggml_threadpool_free(struct ggml_threadpool * threadpool);
+ggml_threadpool_free = _ggml_cpu.ggml_threadpool_free
+ggml_threadpool_free.argtypes = [ctypes.c_void_p]
+ggml_threadpool_free.restype = None
+
+# LLAMA_API void llama_attach_threadpool(struct llama_context * ctx, ggml_threadpool_t threadpool,
+#                                        ggml_threadpool_t threadpool_batch);
+llama_attach_threadpool = _bind("llama_attach_threadpool", [_ll.llama_context_p_ctypes, ctypes.c_void_p,
+                                                            ctypes.c_void_p], None)
 
 
 def supported_archs() -> tuple[str, ...]:

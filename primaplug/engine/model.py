@@ -36,10 +36,17 @@ class ContextSettings:
     # off by default, as in llama_cpp.Llama: the two attention kernels round differently, and a split model
     # must reproduce the tokens of the whole one
     flash_attn: bool = False
+    # how long idle compute threads spin before sleeping (ggml's 0-100). 0 frees the cores between calls for
+    # the apps people use; a higher level trades idle CPU for a little less latency per call
+    poll: int = 0
+
+    @property
+    def threads(self) -> int:
+        return self.n_threads or os.cpu_count() or 1
 
     def params(self) -> _ll.llama_context_params:
         p = _ll.llama_context_default_params()
-        threads = self.n_threads or os.cpu_count() or 1
+        threads = self.threads
         p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = self.n_ctx, self.n_batch, self.n_ubatch, self.n_seq_max
         p.n_threads = p.n_threads_batch = threads
         p.no_perf = True
@@ -102,6 +109,7 @@ class Model:
         self._vocab = _ll.llama_model_get_vocab(ptr)
         self._stack = ExitStack()
         self._stack.callback(_ll.llama_model_free, ptr)
+        self._pools: dict[tuple[int, int], int] = {}
 
     # --- windows -------------------------------------------------------------------------------------------
 
@@ -135,6 +143,19 @@ class Model:
         if not hidden and not self.output:
             raise WindowRangeError(f"window {rng} outputs logits, but this Model was loaded with output=False")
         return Window(self, rng, hidden, settings or ContextSettings())
+
+    def _threadpool(self, settings: ContextSettings) -> int:
+        """The CPU thread pool shared by this model's windows with the same thread count and poll level."""
+        key = (settings.threads, settings.poll)
+        if key not in self._pools:
+            params = _native.ggml_threadpool_params_default(settings.threads)
+            params.poll = settings.poll
+            pool = _native.ggml_threadpool_new(ctypes.byref(params))
+            if not pool:
+                raise EngineError(f"could not start a pool of {settings.threads} compute threads")
+            self._pools[key] = pool
+            self._stack.callback(_native.ggml_threadpool_free, pool)  # after the windows created later
+        return self._pools[key]
 
     # --- vocabulary ----------------------------------------------------------------------------------------
 
@@ -183,12 +204,14 @@ class Window:
         self.settings = settings
         self.n_embd = model.layout.n_embd
         self.n_vocab = model.layout.n_vocab
+        pool = model._threadpool(settings)
         ctx = _native.llama_init_window_from_model(model._ptr, settings.params(), layers.start, layers.end,
                                                    output_hidden)
         if not ctx:
             raise EngineError(f"could not create window {layers}: {_log.take_errors() or 'see the log'}")
         self._ctx = ctx
         self._closed = False
+        _native.llama_attach_threadpool(ctx, pool, pool)
         # the batch is allocated once: token ids for the first window, hidden rows for the others
         n_batch = settings.n_batch
         self._batch = _ll.llama_batch_init(n_batch, 0 if layers.start == 0 else self.n_embd, 1)

@@ -1,0 +1,135 @@
+"""`primaplug run --nodes ...` / `--local-nodes N`: generate across node processes, stream, report timings."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from primaplug.core import PrimaplugError
+
+
+class _LoadBar:
+    """One status line per node while the nodes load, redrawn in place on a terminal."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, str] = {}
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, node: str, frac: float, what: str) -> None:
+        line = f"primaplug: {node}: [{'#' * int(frac * 20):<20}] {frac * 100:3.0f}% {what}"
+        if self.last.get(node) != line:
+            self.last[node] = line
+            print(("\r\033[K" if self.tty else "") + line, end="" if self.tty else "\n", file=sys.stderr)
+
+    def done(self) -> None:
+        if self.tty:
+            print(file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _nodes(args: argparse.Namespace, path: Path) -> Iterator[list[str]]:
+    if args.nodes:
+        yield args.nodes
+        return
+    from primaplug.launch import LocalNodes
+
+    with tempfile.TemporaryDirectory(prefix="primaplug-nodes-") as logs:
+        t0 = time.perf_counter()
+        with LocalNodes(path, args.local_nodes, log_dir=logs) as local:
+            print(f"primaplug: started {args.local_nodes} local nodes in {time.perf_counter() - t0:.1f} s: "
+                  + ", ".join(f"{n.name} {n.address} (pid {n.pid})" for n in local.nodes), file=sys.stderr)
+            yield local.addresses
+        print(f"primaplug: stopped the {args.local_nodes} local nodes", file=sys.stderr)
+
+
+def run_ring(args: argparse.Namespace, path: Path) -> int:
+    import primaplug
+
+    seed = args.seed if args.seed is not None else random.randrange(2**31)
+    llama_kwargs: dict[str, Any] = dict(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
+                                        n_threads=args.threads or None, seed=seed, verbose=False)
+    sampling = dict(temp=args.temp, top_k=args.top_k, top_p=args.top_p)
+    with _nodes(args, path) as addresses:
+        bar = _LoadBar()
+        t0 = time.perf_counter()
+        llm = primaplug.Llama(path, nodes=addresses, layers=args.layers, rounds=args.rounds, keys=args.keys,
+                              listen=args.listen, timeout_s=args.timeout, progress=bar, **llama_kwargs)
+        bar.done()
+        try:
+            c = llm.cluster
+            plan = "; ".join(f"{n} {' '.join(map(str, r))}" for n, r in zip(c.nodes, c.node_ranges))
+            head = " ".join(str(r) for r in c.head_ranges if r.n_layers) or "output layer only"
+            print(f"primaplug: ring of {len(c.nodes)} node(s) + head, {args.rounds} round(s), deployed in "
+                  f"{time.perf_counter() - t0:.1f} s: {plan}; head {head}", file=sys.stderr)
+            tokens = _generate(llm, args.prompt, args.n_predict, sampling)
+        finally:
+            llm.close()
+    if args.verify:
+        return _verify(path, args.prompt, tokens, llama_kwargs, sampling, args.n_predict)
+    return 0
+
+
+def _generate(llm: Any, prompt: str, n_predict: int, sampling: dict[str, Any]) -> list[int]:
+    """Stream the completion to stdout; returns the generated token ids."""
+    prompt_tokens = llm.tokenize(prompt.encode())
+    if len(prompt_tokens) + n_predict > llm.n_ctx():
+        raise PrimaplugError(f"prompt ({len(prompt_tokens)} tokens) plus -n {n_predict} exceeds -c {llm.n_ctx()}")
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    out: list[int] = []
+    t0 = time.perf_counter()
+    t_first = 0.0
+    for tok in llm.generate(prompt_tokens, **sampling):
+        if not out:
+            t_first = time.perf_counter()
+        if _is_eog(llm, tok):
+            break
+        out.append(tok)
+        sys.stdout.write(llm.detokenize([tok], prev_tokens=prompt_tokens + out[:-1]).decode("utf-8", "replace"))
+        sys.stdout.flush()
+        if len(out) >= n_predict:
+            break
+    t_end = time.perf_counter()
+    sys.stdout.write("\n")
+    ttft = t_first - t0
+    tpot = (t_end - t_first) / max(1, len(out) - 1)
+    print(f"primaplug: prompt {len(prompt_tokens)} tokens, generated {len(out)}; TTFT {ttft * 1000:.1f} ms, "
+          f"TPOT {tpot * 1000:.1f} ms, {len(out) / (t_end - t0):.1f} tokens/s", file=sys.stderr)
+    return out
+
+
+def _verify(path: Path, prompt: str, tokens: list[int], llama_kwargs: dict[str, Any], sampling: dict[str, Any],
+            n_predict: int) -> int:
+    """Generate again with plain llama-cpp-python on the whole model, same seed, and compare the tokens."""
+    import llama_cpp
+
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(str(path), **llama_kwargs)
+    try:
+        prompt_tokens = llm.tokenize(prompt.encode())
+        plain: list[int] = []
+        for tok in llm.generate(prompt_tokens, **sampling):
+            if _is_eog(llm, tok):
+                break
+            plain.append(tok)
+            if len(plain) >= n_predict:
+                break
+    finally:
+        llm.close()
+    same = plain == tokens
+    print(f"primaplug: plain llama-cpp-python on the whole model gave {'the same' if same else 'DIFFERENT'} "
+          f"{len(plain)} tokens ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    return 0 if same else 1
+
+
+def _is_eog(llm: Any, token: int) -> bool:
+    import llama_cpp
+
+    return bool(llama_cpp.llama_vocab_is_eog(llm._model.vocab, token))

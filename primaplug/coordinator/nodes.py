@@ -1,0 +1,103 @@
+"""One node as the head sees it: a control connection with request timeouts and typed errors."""
+
+from __future__ import annotations
+
+import logging
+
+from primaplug import __version__
+from primaplug.core.errors import NodeError, NodeUnavailableError, ProtocolError
+from primaplug.transport import ControlClient, Transport, endpoint, split_address
+from primaplug.wire import (
+    PROTOCOL_VERSION,
+    Assignment,
+    ControlReply,
+    ControlRequest,
+    ErrorReply,
+    GetStatus,
+    Hello,
+    LoadAssignment,
+    Shutdown,
+    Status,
+    Unload,
+    Welcome,
+    decode_reply,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+
+class NodeClient:
+    """The control channel to one node, named by its HOST:PORT address."""
+
+    def __init__(self, transport: Transport, address: str, timeout_s: float = 5.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.client: ControlClient = transport.control_client(endpoint(*split_address(address)))
+        self.name = address  # replaced by the node's own name after hello()
+        self.welcome: Welcome | None = None
+        self.last_status: Status | None = None
+        self._probe: int | None = None
+
+    def __str__(self) -> str:
+        return self.name if self.name == self.address else f"{self.name} ({self.address})"
+
+    def _ask(self, req: ControlRequest, timeout_s: float | None = None) -> ControlReply:
+        t = self.timeout_s if timeout_s is None else timeout_s
+        body = self.client.request(encode(req), t)
+        if body is None:
+            raise NodeUnavailableError(self.name, f"node {self} did not answer {type(req).__name__} within {t:.1f} s "
+                                       "(is it running, and does it hold the same cluster key?)")
+        reply = decode_reply(body)
+        if isinstance(reply, ErrorReply):
+            raise NodeError(str(self), reply.code, reply.message)
+        return reply
+
+    def hello(self) -> Welcome:
+        reply = self._ask(Hello(proto=PROTOCOL_VERSION, software=__version__))
+        if not isinstance(reply, Welcome):
+            raise ProtocolError(f"node {self} answered hello with {type(reply).__name__}")
+        self.welcome, self.name = reply, reply.node
+        return reply
+
+    def _status_reply(self, req: ControlRequest) -> Status:
+        reply = self._ask(req)
+        if not isinstance(reply, Status):
+            raise ProtocolError(f"node {self} answered {type(req).__name__} with {type(reply).__name__}")
+        self.last_status = reply
+        return reply
+
+    def load(self, assignment: Assignment) -> Status:
+        return self._status_reply(LoadAssignment(assignment=assignment))
+
+    def status(self) -> Status:
+        return self._status_reply(GetStatus())
+
+    def unload(self) -> Status:
+        return self._status_reply(Unload())
+
+    def shutdown(self) -> Status:
+        return self._status_reply(Shutdown())
+
+    # --- probing while the ring computes: a status request that does not block ---------------------------
+
+    def probe(self) -> None:
+        """Ask for a status without waiting; poll_probe() collects it."""
+        if self._probe is None:
+            self._probe = self.client.send(encode(GetStatus()))
+
+    def poll_probe(self) -> Status | None:
+        if self._probe is None:
+            return None
+        body = self.client.take_reply(self._probe, 0)
+        if body is None:
+            return None
+        self._probe = None
+        reply = decode_reply(body)
+        if isinstance(reply, Status):
+            self.last_status = reply
+            return reply
+        return None
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,166 @@
+"""The head's end of the ring: send a batch round it, run the head's own windows, and watch for dead nodes.
+
+With k rounds a batch goes round k times; in each round every node runs its window of that round and the head
+runs its own last, so the model's final layer lands on the head, which runs the output layer (in the caller).
+While it waits, the head asks the nodes for their status (after half a second of silence, on the control
+channel): a node that answers nothing for `timeout_s` is reported dead, with what the ring was doing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import msgspec
+import numpy as np
+
+from primaplug.core.errors import NodeError, NodeUnavailableError, ProtocolError
+from primaplug.core.windows import LayerRange
+from primaplug.coordinator.nodes import NodeClient
+from primaplug.transport import RingIn, RingOut
+from primaplug.wire import PROTOCOL_VERSION, Activation, KvOp, RingError, RingMessage, decode_ring, encode_ring
+
+log = logging.getLogger(__name__)
+
+PROBE_AFTER_S = 0.5  # silence on the ring before the head starts asking the nodes how they are
+
+
+class LocalWindow(Protocol):
+    """A window the head computes itself (primaplug.engine.Window fits)."""
+
+    layers: LayerRange
+    n_embd: int
+
+    @property
+    def takes_tokens(self) -> bool: ...
+
+    def forward(self, inputs: np.ndarray, positions: int, *, seq_id: int = 0) -> np.ndarray: ...
+
+    def kv_clear(self) -> None: ...
+
+    def kv_remove(self, seq_id: int, p0: int, p1: int = -1) -> None: ...
+
+
+class RingHead:
+    def __init__(self, nodes: Sequence[NodeClient], ring_in: RingIn, ring_out: RingOut, epoch: int,
+                 head_windows: Sequence[LocalWindow | None], n_layer: int, n_embd: int,
+                 timeout_s: float = 5.0) -> None:
+        self.nodes = list(nodes)
+        self.ring_in, self.ring_out = ring_in, ring_out
+        self.epoch = epoch
+        self.head_windows = list(head_windows)
+        self.rounds = len(self.head_windows)
+        self.n_layer, self.n_embd = n_layer, n_embd
+        self.timeout_s = timeout_s
+        self._steps = itertools.count(1)
+
+    # --- what the head's model calls ---------------------------------------------------------------------------
+
+    def forward(self, tokens: Sequence[int] | np.ndarray, pos0: int, *, seq_id: int = 0,
+                all_rows: bool = False) -> np.ndarray:
+        """Hidden states after the last layer: of every token (all_rows) or of the last one only."""
+        rows: np.ndarray = np.asarray(tokens, dtype=np.int32).reshape(-1, 1)
+        msg = Activation(proto=PROTOCOL_VERSION, epoch=self.epoch, step=next(self._steps), round=0, seq_id=seq_id,
+                         pos0=pos0, n_rows=len(rows), width=1, dtype="int32", all_rows=all_rows)
+        what = f"{'prefill of' if len(rows) > 1 else 'decode of'} {len(rows)} token(s) at position {pos0}"
+        for r in range(self.rounds):
+            msg = _with_round(msg, r)
+            got, out = self._round_trip(msg, rows, f"{what}, round {r + 1}/{self.rounds}")
+            assert isinstance(got, Activation) and out is not None
+            msg, rows = got, out
+            w = self.head_windows[r]
+            if w is not None:
+                rows = w.forward(rows[:, 0] if w.takes_tokens else rows, msg.pos0, seq_id=seq_id)
+                pos0_, n = msg.pos0, len(rows)
+                if w.layers.end == self.n_layer and not all_rows:
+                    rows, pos0_, n = rows[-1:], pos0_ + n - 1, 1
+                msg = Activation(proto=PROTOCOL_VERSION, epoch=self.epoch, step=msg.step, round=r, seq_id=seq_id,
+                                 pos0=pos0_, n_rows=n, width=self.n_embd, dtype="float32", all_rows=all_rows)
+        if msg.dtype != "float32" or msg.width != self.n_embd:
+            raise ProtocolError(f"the ring returned {msg.dtype} rows of width {msg.width}, not hidden states")
+        return rows
+
+    def kv_remove(self, seq_id: int, p0: int, p1: int = -1) -> None:
+        self._kv(KvOp(proto=PROTOCOL_VERSION, epoch=self.epoch, step=next(self._steps), op="remove",
+                      seq_id=seq_id, p0=p0, p1=p1))
+
+    def kv_clear(self) -> None:
+        self._kv(KvOp(proto=PROTOCOL_VERSION, epoch=self.epoch, step=next(self._steps), op="clear"))
+
+    def _kv(self, op: KvOp) -> None:
+        self._round_trip(op, None, f"kv {op.op} from position {op.p0}")
+        for w in self.head_windows:
+            if w is not None:
+                w.kv_clear() if op.op == "clear" else w.kv_remove(op.seq_id, op.p0, op.p1)
+
+    # --- one trip round the nodes ------------------------------------------------------------------------------
+
+    def _round_trip(self, msg: RingMessage, rows: np.ndarray | None,
+                    what: str) -> tuple[RingMessage, np.ndarray | None]:
+        if not self.ring_out.send(encode_ring(msg, rows), self.timeout_s):
+            raise NodeUnavailableError(self.nodes[0].name, f"node {self.nodes[0]} did not take step {msg.step} "
+                                       f"({what}) within {self.timeout_s:.1f} s")
+        start = time.monotonic()
+        watch = _Watch(self.nodes, start)
+        while True:
+            frames = self.ring_in.recv(0.05)
+            if frames is not None:
+                got, out = decode_ring(frames)
+                if got.epoch == self.epoch and got.step == msg.step:
+                    if isinstance(got, RingError):
+                        raise NodeError(got.node, got.code, f"{got.message} (during {what})")
+                    return got, out
+                log.debug("dropped a ring message of assignment %d step %d", got.epoch, got.step)
+                if isinstance(got, RingError):
+                    log.warning("node %s reported: %s", got.node, got.message)
+                continue
+            now = time.monotonic()
+            if now - start > PROBE_AFTER_S:
+                watch.poll(now)
+                watch.check(now, self.timeout_s, self.epoch, f"step {msg.step} ({what})")
+
+
+class _Watch:
+    """What the head hears from the nodes while it waits for one ring message."""
+
+    def __init__(self, nodes: Sequence[NodeClient], now: float) -> None:
+        self.nodes = nodes
+        self.heard = {n: now for n in nodes}
+        self.idle_since: float | None = None
+
+    def poll(self, now: float) -> None:
+        for n in self.nodes:
+            if n.poll_probe() is not None:
+                self.heard[n] = now
+            n.probe()
+
+    def check(self, now: float, timeout_s: float, epoch: int, doing: str) -> None:
+        dead = [n for n in self.nodes if now - self.heard[n] > timeout_s]
+        if dead:
+            alive = [str(n) for n in self.nodes if n not in dead]
+            last = dead[0].last_status
+            was = f"; its last status: {last.activity or last.state}" if last else ""
+            raise NodeUnavailableError(
+                dead[0].name,
+                f"node {dead[0]} stopped answering for {timeout_s:.1f} s while the ring computed {doing}{was}. "
+                + (f"Still answering: {', '.join(alive)}; give them a new assignment to go on."
+                   if alive else "No node answers."))
+        statuses = [(n, n.last_status) for n in self.nodes]
+        for n, s in statuses:
+            if s is not None and (s.state != "ready" or s.epoch != epoch):
+                raise NodeError(str(n), "not_ready", f"is {s.state} with assignment {s.epoch}, not {epoch}, while "
+                                f"the ring computed {doing}: did it restart? Deploy the assignment again.")
+        # every node alive and idle, yet nothing arrives: the message was lost (a node restarted in between)
+        if all(s is not None and not s.activity for _, s in statuses):
+            self.idle_since = self.idle_since or now
+            if now - self.idle_since > timeout_s:
+                raise NodeError(str(self.nodes[0]), "lost", f"the ring lost {doing}: every node is alive and idle")
+        else:
+            self.idle_since = None
+
+
+def _with_round(msg: Activation, r: int) -> Activation:
+    return msgspec.structs.replace(msg, round=r)

@@ -1,0 +1,110 @@
+"""primaplug.Llama: a llama_cpp.Llama whose layers run on a ring of primaplug nodes.
+
+    import primaplug
+    llm = primaplug.Llama("gemma-3-270m.gguf", nodes=["127.0.0.1:7000", "127.0.0.1:7010"], n_ctx=2048)
+    print(llm("The capital of France is", max_tokens=16)["choices"][0]["text"])
+
+This module composes the parts: a Transport, a Cluster (deploys windows to the nodes), the head's own model
+(vocabulary, its windows, the output layer), the RingHead, and the llama-cpp-python front (RingLlama).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from primaplug.coordinator import Cluster, ClusterSettings
+from primaplug.coordinator.cluster import Progress
+from primaplug.engine import ContextSettings, Model, read_layout
+from primaplug.engine.ring_llama import RingLlama
+from primaplug.transport import Transport, load_keys
+from primaplug.wire import ModelIdentity
+
+log = logging.getLogger(__name__)
+
+
+class Llama(RingLlama):
+    """Behaves as llama_cpp.Llama; the model's layers run on `nodes` (HOST:PORT of `primaplug node`s).
+
+    Args:
+        model_path: the GGUF file; every node must hold the same file (checked by hash).
+        nodes: the nodes' control addresses, in ring order.
+        layers: layers per round for each node, then optionally for the head (default: even over the nodes).
+        rounds: how many times a token goes round the ring (each device runs one window per round).
+        keys: the cluster key file (`primaplug keygen`); required when any node is off this machine.
+        listen: the address the head receives the ring's output on.
+        timeout_s: how long a silent node may take before generation stops with an error naming it.
+        node_threads: compute threads on each node (0: all its cores).
+        progress: called with (node, fraction, message) while the nodes load.
+        **kwargs: llama_cpp.Llama's own arguments (n_ctx, n_batch, n_ubatch, n_threads, seed, chat_format, ...).
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        nodes: Sequence[str],
+        layers: Sequence[int] | None = None,
+        rounds: int = 1,
+        keys: str | os.PathLike[str] | None = None,
+        listen: str = "127.0.0.1",
+        timeout_s: float = 5.0,
+        node_threads: int = 0,
+        progress: Progress | None = None,
+        **kwargs: Any,
+    ) -> None:
+        path = Path(model_path)
+        layout = read_layout(path)
+        layout.check_supported()
+        n_ctx = kwargs.get("n_ctx", 512) or layout.n_ctx_train
+        n_batch = min(n_ctx, kwargs.get("n_batch", 512))
+        n_ubatch = min(n_batch, kwargs.get("n_ubatch", 512))
+        self._transport = Transport(load_keys(keys) if keys else None)
+        ident = ModelIdentity(identity=layout.identity, file_name=path.name, n_layer=layout.n_layer,
+                              n_embd=layout.n_embd)
+        settings = ClusterSettings(nodes=tuple(nodes), layers=tuple(layers) if layers else None, rounds=rounds,
+                                   n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=node_threads,
+                                   listen=listen, timeout_s=timeout_s)
+        self._cluster: Cluster | None = None
+        self._head_model: Model | None = None
+        try:
+            self._cluster = cluster = Cluster(self._transport, settings, ident)
+            cluster.connect()
+            cluster.plan()
+            head_windows = [r for r in cluster.head_ranges if r.n_layers]
+            self._head_model = head = Model(path, head_windows, output=True)
+            cluster.deploy(progress)
+            threads = kwargs.get("n_threads") or max(1, (os.cpu_count() or 2) // 2)  # llama_cpp.Llama's default
+            ctx = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads)
+            windows = [head.window(r.start, r.end, output_hidden=True, settings=ctx) if r.n_layers else None
+                       for r in cluster.head_ranges]
+            super().__init__(head, cluster.ring(windows), **kwargs)
+        except BaseException:
+            self._close_ring()
+            raise
+
+    @property
+    def cluster(self) -> Cluster:
+        assert self._cluster is not None
+        return self._cluster
+
+    def _close_ring(self) -> None:
+        if self._head_model is not None:
+            self._head_model.close()
+            self._head_model = None
+        if self._cluster is not None:
+            self._cluster.close()
+            self._cluster = None
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None  # type: ignore[assignment]
+
+    def close(self) -> None:
+        """Disconnect from the nodes (they keep running, ready for another head) and free the head's model."""
+        if getattr(self, "_stack", None) is not None:
+            super().close()
+        if hasattr(self, "_transport"):
+            self._close_ring()

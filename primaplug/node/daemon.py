@@ -1,0 +1,279 @@
+"""The node daemon: a control loop (main thread), a ring loop (its own thread) and a loader (one per load).
+
+The control loop always answers, also while the ring loop computes or a load runs, so the head can tell a
+busy node from a dead one. The ring loop owns the compute: one message at a time, under the deployment lock
+that a load takes to swap deployments.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+from primaplug import __version__
+from primaplug.core.errors import ConfigError, PrimaplugError, ProtocolError
+from primaplug.engine import read_layout
+from primaplug.node.deployment import Deployment
+from primaplug.transport import RingIn, Transport, is_loopback
+from primaplug.wire import (
+    PROTOCOL_VERSION,
+    Activation,
+    Assignment,
+    DeviceFacts,
+    ErrorReply,
+    GetStatus,
+    Hello,
+    KvOp,
+    LoadAssignment,
+    ModelIdentity,
+    RingError,
+    Shutdown,
+    Status,
+    Unload,
+    Welcome,
+    decode_request,
+    decode_ring,
+    encode,
+    encode_ring,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    models: tuple[Path, ...]  # the only files this node will ever open
+    host: str = "127.0.0.1"
+    port: int = 7000  # control; the ring listens on port + 1 (both random when port is 0)
+    name: str = field(default_factory=platform.node)
+    secure: bool = False  # whether the transport was given the cluster keys
+    send_timeout_s: float = 5.0  # how long a ring send waits for a successor before giving up
+
+    def check(self) -> None:
+        if not self.models:
+            raise ConfigError("a node needs at least one --model")
+        for m in self.models:
+            if not m.is_file():
+                raise ConfigError(f"model file {m} does not exist")
+        if not self.secure and not is_loopback(self.host):
+            raise ConfigError(
+                f"refusing to listen on {self.host} without encryption: make a cluster key with "
+                "`primaplug keygen cluster.key`, copy it to every device, and start each node and the head "
+                "with --keys cluster.key (or listen on 127.0.0.1)"
+            )
+
+
+class Node:
+    def __init__(self, settings: NodeSettings, transport: Transport) -> None:
+        settings.check()
+        self.settings = settings
+        self.name = settings.name
+        self.transport = transport
+        self._models: dict[str, tuple[Path, ModelIdentity]] = {}
+        for path in settings.models:
+            layout = read_layout(path)
+            layout.check_supported()
+            self._models[layout.identity] = (path, ModelIdentity(identity=layout.identity, file_name=path.name,
+                                                                 n_layer=layout.n_layer, n_embd=layout.n_embd))
+        self.control = transport.control_server(settings.host, settings.port)
+        self.ring: RingIn = transport.ring_in(settings.host, settings.port + 1 if settings.port else 0)
+        self._lock = threading.Lock()  # held by the ring loop while it computes, and by a load while it swaps
+        self._deployment: Deployment | None = None
+        self._stop = threading.Event()
+        self._status = Status(node=self.name, state="idle")
+        self._activity = ""
+        self._last_step = -1
+        self._steps_done = 0
+        self._loader: threading.Thread | None = None
+
+    # --- main loop -----------------------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        """Serve until a Shutdown request or stop(); then free everything."""
+        ring = threading.Thread(target=self._ring_loop, name="ring", daemon=True)
+        ring.start()
+        log.info("node %s ready: control %s, ring %s", self.name, self.control.address, self.ring.address)
+        try:
+            while not self._stop.is_set():
+                got = self.control.recv(0.2)
+                if got is None:
+                    continue
+                envelope, body = got
+                reply = self._handle_control(body)
+                self.control.reply(envelope, encode(reply))
+        finally:
+            self._stop.set()
+            ring.join(timeout=10)
+            if self._loader is not None:
+                self._loader.join(timeout=30)
+            with self._lock:
+                if self._deployment is not None:
+                    self._deployment.close()
+                    self._deployment = None
+            self.control.close()
+            self.ring.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # --- control -------------------------------------------------------------------------------------------
+
+    def _error(self, code: str, message: str, retryable: bool = False) -> ErrorReply:
+        log.warning("control request refused (%s): %s", code, message)
+        return ErrorReply(node=self.name, code=code, message=message, retryable=retryable)
+
+    def _handle_control(self, body: bytes) -> Welcome | Status | ErrorReply:
+        try:
+            req = decode_request(body)
+        except ProtocolError as e:
+            return self._error("bad_message", str(e))
+        try:
+            match req:
+                case Hello():
+                    if req.proto != PROTOCOL_VERSION:
+                        older = "this node" if req.proto > PROTOCOL_VERSION else "the head"
+                        return self._error("protocol_version", f"the head speaks protocol {req.proto}, this node "
+                                           f"{PROTOCOL_VERSION}: upgrade {older} (primaplug {__version__} here)")
+                    return self._welcome()
+                case LoadAssignment():
+                    return self._load(req.assignment)
+                case GetStatus():
+                    return self.status()
+                case Unload():
+                    with self._lock:
+                        if self._deployment is not None:
+                            self._deployment.close()
+                            self._deployment = None
+                    self._status = Status(node=self.name, state="idle")
+                    return self.status()
+                case Shutdown():
+                    self._stop.set()
+                    return self.status()
+        except PrimaplugError as e:
+            return self._error("bad_request", str(e))
+        except Exception as e:  # a process boundary: report and keep serving
+            log.exception("control request failed")
+            return self._error("internal", f"{type(e).__name__}: {e}")
+        return self._error("bad_message", f"unhandled request {type(req).__name__}")
+
+    def _welcome(self) -> Welcome:
+        mem = psutil.virtual_memory()
+        facts = DeviceFacts(os=platform.system(), machine=platform.machine(), cpu_count=os.cpu_count() or 1,
+                            mem_total_bytes=mem.total, mem_available_bytes=mem.available)
+        return Welcome(proto=PROTOCOL_VERSION, software=__version__, node=self.name,
+                       models=tuple(m for _, m in self._models.values()), device=facts,
+                       ring_endpoint=self.ring.address)
+
+    def status(self) -> Status:
+        s = self._status
+        return Status(node=self.name, state=s.state, epoch=s.epoch, progress=s.progress, message=s.message,
+                      activity=self._activity, last_step=self._last_step, steps_done=self._steps_done)
+
+    def _load(self, a: Assignment) -> Status | ErrorReply:
+        if a.model.identity not in self._models:
+            held = ", ".join(f"{m.file_name} ({m.identity})" for _, m in self._models.values())
+            return self._error("wrong_model", f"the head asked for {a.model.file_name} ({a.model.identity}), "
+                               f"this node holds {held}: start it with --model pointing at the head's file")
+        path, ident = self._models[a.model.identity]
+        problem = _check_assignment(a, ident.n_layer)
+        if problem:
+            return self._error("bad_assignment", problem)
+        if self._loader is not None and self._loader.is_alive():
+            return self._error("busy", "a load is already running; wait for it (see status)", retryable=True)
+        self._status = Status(node=self.name, state="loading", epoch=a.epoch, message="waiting for the ring")
+        self._loader = threading.Thread(target=self._run_load, args=(a, str(path)), name="load", daemon=True)
+        self._loader.start()
+        return self.status()
+
+    def _run_load(self, a: Assignment, path: str) -> None:
+        def progress(frac: float, what: str) -> None:
+            self._status = Status(node=self.name, state="loading", epoch=a.epoch, progress=frac, message=what)
+
+        t0 = time.perf_counter()
+        with self._lock:  # no compute while deployments change
+            if self._deployment is not None:
+                self._deployment.close()
+                self._deployment = None
+            try:
+                self._deployment = Deployment.load(a, path, self.transport, progress)
+            except Exception as e:
+                log.exception("loading assignment %d failed", a.epoch)
+                self._status = Status(node=self.name, state="failed", epoch=a.epoch, message=str(e))
+                return
+        log.info("assignment %d loaded in %.2f s: windows %s, successor %s", a.epoch, time.perf_counter() - t0,
+                 [(w.start, w.end) for w in a.windows], a.successor)
+        self._status = Status(node=self.name, state="ready", epoch=a.epoch, progress=1.0, message="ready")
+
+    # --- ring ----------------------------------------------------------------------------------------------
+
+    def _ring_loop(self) -> None:
+        while not self._stop.is_set():
+            frames = self.ring.recv(0.1)
+            if frames is None:
+                continue
+            with self._lock:
+                try:
+                    self._serve_ring(frames)
+                except Exception:  # keep the ring thread alive whatever one message does
+                    log.exception("ring message failed")
+                finally:
+                    self._activity = ""
+
+    def _serve_ring(self, frames: list[bytes | memoryview]) -> None:
+        dep = self._deployment
+        epoch, step = (dep.epoch if dep else 0), -1
+        try:
+            msg, rows = decode_ring(frames)
+            step = msg.step
+            if dep is None:
+                raise ProtocolError("this node has no assignment loaded; send it one first")
+            if msg.epoch != dep.epoch:
+                raise ProtocolError(f"message of assignment {msg.epoch}, this node runs assignment {dep.epoch}")
+            out: tuple[Activation | KvOp | RingError, np.ndarray | None]
+            if isinstance(msg, Activation):
+                self._activity = f"computing step {msg.step} round {msg.round}: {msg.n_rows} row(s) at {msg.pos0}"
+                out = dep.run(msg, rows)  # type: ignore[arg-type]
+                self._last_step, self._steps_done = msg.step, self._steps_done + 1
+            elif isinstance(msg, KvOp):
+                self._activity = f"applying kv {msg.op} (step {msg.step})"
+                dep.apply(msg)
+                out = (msg, None)
+            else:
+                out = (msg, None)
+        except (ProtocolError, PrimaplugError) as e:
+            log.warning("ring message refused (step %d): %s", step, e)
+            if dep is None:
+                return  # no successor to tell: the head will time out and ask for a status
+            out = (RingError(proto=PROTOCOL_VERSION, epoch=epoch, step=step, node=self.name, code="bad_message",
+                             message=str(e)), None)
+        self._activity = f"sending step {out[0].step} to {dep.out.address}"
+        if not dep.out.send(encode_ring(*out), self.settings.send_timeout_s):
+            log.error("successor %s did not take step %d within %.1f s; dropped it", dep.out.address, out[0].step,
+                      self.settings.send_timeout_s)
+
+
+def _check_assignment(a: Assignment, n_layer: int) -> str:
+    if not a.windows:
+        return "an assignment needs at least one window (an empty one makes a relay)"
+    prev = -1
+    for w in a.windows:
+        if not 0 <= w.start <= w.end <= n_layer:
+            return f"window [{w.start}, {w.end}) is outside the model's layers [0, {n_layer})"
+        if w.start < prev:
+            return "windows must come in layer order, one per round"
+        if not 0 <= w.gpu_layers <= w.end - w.start:
+            return f"window [{w.start}, {w.end}) cannot have {w.gpu_layers} GPU layers"
+        prev = w.end if w.end > w.start else prev
+    if min(a.n_ctx, a.n_batch, a.n_ubatch, a.n_seq_max) < 1 or a.n_threads < 0:
+        return "n_ctx, n_batch, n_ubatch and n_seq_max must be positive, n_threads not negative"
+    if not a.successor.startswith("tcp://"):
+        return f"successor '{a.successor}' is not a tcp:// endpoint"
+    return ""

@@ -1,0 +1,99 @@
+"""A node's loaded assignment: its windows, one per round, on one mapping of the model, and its successor."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from primaplug.core.errors import PrimaplugError, ProtocolError
+from primaplug.core.windows import LayerRange
+from primaplug.engine import ContextSettings, Model, Window
+from primaplug.transport import RingOut, Transport
+from primaplug.wire import Activation, Assignment, KvOp
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Deployment:
+    assignment: Assignment
+    model: Model
+    windows: list[Window | None]  # per round; None: this node only relays that round
+    out: RingOut
+    n_layer: int
+
+    @classmethod
+    def load(cls, assignment: Assignment, path: str, transport: Transport,
+             progress: Callable[[float, str], None]) -> Deployment:
+        specs = assignment.windows
+        ranges = [LayerRange(w.start, w.end) for w in specs]
+        used = [r for r in ranges if r.n_layers]
+        gpu = [il for w in specs for il in range(w.start, w.start + w.gpu_layers)]
+        progress(0.05, f"mapping {os.path.basename(path)} for windows {', '.join(map(str, used)) or '(relay only)'}")
+        model = Model(path, used, output=False, gpu_layers=gpu)
+        try:
+            settings = ContextSettings(n_ctx=assignment.n_ctx, n_batch=assignment.n_batch,
+                                       n_ubatch=assignment.n_ubatch, n_threads=assignment.n_threads,
+                                       n_seq_max=assignment.n_seq_max)
+            windows: list[Window | None] = []
+            for i, r in enumerate(ranges):
+                progress(0.1 + 0.85 * i / len(ranges), f"creating window {r} (round {i + 1}/{len(ranges)})")
+                windows.append(model.window(r.start, r.end, output_hidden=True, settings=settings) if r.n_layers else None)
+            out = transport.ring_out(assignment.successor)
+        except BaseException:
+            model.close()
+            raise
+        return cls(assignment, model, windows, out, model.layout.n_layer)
+
+    @property
+    def epoch(self) -> int:
+        return self.assignment.epoch
+
+    def run(self, msg: Activation, rows: np.ndarray) -> tuple[Activation, np.ndarray]:
+        """Compute this node's window of the message's round; returns what goes to the successor."""
+        a = self.assignment
+        if msg.round >= len(self.windows):
+            raise ProtocolError(f"round {msg.round} does not exist: the assignment has {len(self.windows)} round(s)")
+        if msg.seq_id >= a.n_seq_max:
+            raise ProtocolError(f"unknown sequence {msg.seq_id}: this assignment has {a.n_seq_max} sequence(s)")
+        if msg.pos0 + msg.n_rows > a.n_ctx:
+            raise ProtocolError(f"positions {msg.pos0}..{msg.pos0 + msg.n_rows - 1} exceed the context of "
+                                f"{a.n_ctx} tokens")
+        window = self.windows[msg.round]
+        if window is None:
+            return msg, rows
+        if window.takes_tokens != (msg.dtype == "int32"):
+            want = "token ids" if window.takes_tokens else f"hidden states (float32 x {window.n_embd})"
+            raise ProtocolError(f"window {window.layers} takes {want}, got {msg.dtype} rows of width {msg.width}")
+        if not window.takes_tokens and msg.width != window.n_embd:
+            raise ProtocolError(f"hidden states of width {msg.width}, the model's n_embd is {window.n_embd}")
+        try:
+            out = window.forward(rows[:, 0] if window.takes_tokens else rows, msg.pos0, seq_id=msg.seq_id)
+        except ValueError as e:
+            raise ProtocolError(str(e)) from None
+        pos0, n_rows = msg.pos0, msg.n_rows
+        if window.layers.end == self.n_layer and not msg.all_rows:
+            out, pos0, n_rows = out[-1:], pos0 + n_rows - 1, 1  # the head needs only the last row's logits
+        nxt = Activation(proto=msg.proto, epoch=msg.epoch, step=msg.step, round=msg.round, seq_id=msg.seq_id,
+                         pos0=pos0, n_rows=n_rows, width=window.n_embd, dtype="float32", all_rows=msg.all_rows)
+        return nxt, out
+
+    def apply(self, op: KvOp) -> None:
+        for w in self.windows:
+            if w is None:
+                continue
+            if op.op == "clear":
+                w.kv_clear()
+            else:
+                try:
+                    w.kv_remove(op.seq_id, op.p0, op.p1)
+                except PrimaplugError as e:
+                    raise ProtocolError(str(e)) from None
+
+    def close(self) -> None:
+        self.out.close()
+        self.model.close()

@@ -1,0 +1,218 @@
+"""The sockets of a device, made by one Transport per process.
+
+Control: a node binds a ROUTER, the head talks to it through a DEALER, one reply per request, matched by a
+request id so that a late reply to a timed-out request is never taken for the answer to the next one.
+Ring: every device binds a PULL and PUSHes to its successor's PULL. Sends never block longer than their
+timeout and never queue for a peer that is not connected, so a dead successor shows up as an error.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import logging
+import socket
+import time
+from collections.abc import Sequence
+
+import zmq
+import zmq.auth.thread
+
+from primaplug.core.errors import ConfigError
+from primaplug.transport.keys import ClusterKeys
+
+log = logging.getLogger(__name__)
+
+Frames = list[bytes | memoryview]
+
+
+def split_address(address: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
+    """'HOST:PORT', ':PORT' or 'PORT' -> (host, port)."""
+    host, _, port = address.rpartition(":")
+    try:
+        return (host.strip("[]") or default_host), int(port)
+    except ValueError:
+        raise ConfigError(f"'{address}' is not HOST:PORT") from None
+
+
+def endpoint(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
+        except OSError:
+            return False
+
+
+class _KeyCheck:
+    """ZAP callback: lets in only clients that hold the cluster key, and logs the others."""
+
+    def __init__(self, keys: ClusterKeys) -> None:
+        self.public = keys.public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        ok = zmq.utils.z85.encode(key) == self.public if len(key) == 32 else key == self.public
+        if not ok:
+            log.warning("rejected a peer: its CurveZMQ key is not this cluster's key (give it the cluster key "
+                        "file made by `primaplug keygen`)")
+        return ok
+
+
+class Transport:
+    """Owns the ZeroMQ context; every socket of the process comes from here.
+
+    With keys, every bound socket is a CurveZMQ server that admits only holders of the cluster key, and every
+    connecting socket authenticates with it; without keys, traffic is plain TCP (for loopback).
+    """
+
+    def __init__(self, keys: ClusterKeys | None = None) -> None:
+        self.keys = keys
+        self.ctx = zmq.Context()
+        self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
+
+    def _server(self, sock: zmq.Socket) -> None:
+        if self.keys is None:
+            return
+        if self._auth is None:
+            self._auth = zmq.auth.thread.ThreadAuthenticator(self.ctx, log=logging.getLogger(__name__ + ".zap"))
+            self._auth.start()
+            self._auth.configure_curve_callback("*", credentials_provider=_KeyCheck(self.keys))
+        sock.curve_secretkey = self.keys.secret
+        sock.curve_publickey = self.keys.public
+        sock.curve_server = True
+
+    def _client(self, sock: zmq.Socket) -> None:
+        if self.keys is None:
+            return
+        sock.curve_secretkey = self.keys.secret
+        sock.curve_publickey = self.keys.public
+        sock.curve_serverkey = self.keys.public
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.linger = 0
+        return sock
+
+    def _bind(self, sock: zmq.Socket, host: str, port: int) -> int:
+        self._server(sock)
+        try:
+            if port == 0:
+                return sock.bind_to_random_port(endpoint(host, 0).rsplit(":", 1)[0])
+            sock.bind(endpoint(host, port))
+            return port
+        except zmq.ZMQError as e:
+            sock.close()
+            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+    def control_server(self, host: str, port: int) -> ControlServer:
+        sock = self._socket(zmq.ROUTER)
+        port = self._bind(sock, host, port)
+        return ControlServer(sock, endpoint(host, port))
+
+    def control_client(self, address: str) -> ControlClient:
+        sock = self._socket(zmq.DEALER)
+        self._client(sock)
+        sock.connect(address)
+        return ControlClient(sock, address)
+
+    def ring_in(self, host: str, port: int) -> RingIn:
+        sock = self._socket(zmq.PULL)
+        port = self._bind(sock, host, port)
+        return RingIn(sock, endpoint(host, port))
+
+    def ring_out(self, address: str) -> RingOut:
+        sock = self._socket(zmq.PUSH)
+        sock.immediate = True  # queue nothing for a successor that is not connected
+        sock.sndhwm = 64
+        self._client(sock)
+        sock.connect(address)
+        return RingOut(sock, address)
+
+    def close(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        self.ctx.term()
+
+
+class ControlServer:
+    def __init__(self, sock: zmq.Socket, address: str) -> None:
+        self.sock, self.address = sock, address
+
+    def recv(self, timeout_s: float) -> tuple[list[bytes], bytes] | None:
+        """(envelope, request body), or None after the timeout. The envelope goes back with the reply."""
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        frames = self.sock.recv_multipart()
+        return frames[:-1], frames[-1]
+
+    def reply(self, envelope: list[bytes], body: bytes) -> None:
+        self.sock.send_multipart([*envelope, body])
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class ControlClient:
+    def __init__(self, sock: zmq.Socket, address: str) -> None:
+        self.sock, self.address = sock, address
+        self._ids = itertools.count(1)
+
+    def send(self, body: bytes) -> int:
+        """Send a request without waiting; returns its id for take_reply()."""
+        rid = next(self._ids)
+        self.sock.send_multipart([rid.to_bytes(8, "little"), body])
+        return rid
+
+    def take_reply(self, rid: int, timeout_s: float) -> bytes | None:
+        """The reply to request `rid`, or None if none came within the timeout. Older replies are dropped."""
+        deadline = time.monotonic() + timeout_s
+        while self.sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            frames = self.sock.recv_multipart()
+            if len(frames) == 2 and int.from_bytes(frames[0], "little") == rid:
+                return frames[1]
+        return None
+
+    def request(self, body: bytes, timeout_s: float) -> bytes | None:
+        return self.take_reply(self.send(body), timeout_s)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class RingIn:
+    def __init__(self, sock: zmq.Socket, address: str) -> None:
+        self.sock, self.address = sock, address
+
+    def recv(self, timeout_s: float) -> Frames | None:
+        """The frames of the next ring message (zero-copy buffers), or None after the timeout."""
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        return [f.buffer for f in self.sock.recv_multipart(copy=False)]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class RingOut:
+    def __init__(self, sock: zmq.Socket, address: str) -> None:
+        self.sock, self.address = sock, address
+
+    def send(self, frames: Sequence[bytes | memoryview], timeout_s: float) -> bool:
+        """Send one ring message; False if the successor could not take it within the timeout."""
+        self.sock.sndtimeo = int(timeout_s * 1000)
+        try:
+            self.sock.send_multipart(list(frames), copy=False)
+            return True
+        except zmq.Again:
+            return False
+
+    def close(self) -> None:
+        self.sock.close()

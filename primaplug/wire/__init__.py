@@ -1,0 +1,34 @@
+"""Typed, versioned messages between the head and the nodes: the only thing `node` and `coordinator` share.
+
+Control messages (`messages.py`) are msgpack-encoded tagged structs, one request and one reply each.
+Ring messages (`ring.py`) are a msgpack header plus, for activations, one raw buffer frame sent without copy.
+"""
+
+from primaplug.wire.messages import (
+    PROTOCOL_VERSION,
+    Assignment,
+    ControlReply,
+    ControlRequest,
+    DeviceFacts,
+    ErrorReply,
+    GetStatus,
+    Hello,
+    LoadAssignment,
+    ModelIdentity,
+    Shutdown,
+    Status,
+    Unload,
+    Welcome,
+    WindowSpec,
+    decode_reply,
+    decode_request,
+    encode,
+)
+from primaplug.wire.ring import Activation, KvOp, RingError, RingMessage, decode_ring, encode_ring
+
+__all__ = [
+    "PROTOCOL_VERSION", "Activation", "Assignment", "ControlReply", "ControlRequest", "DeviceFacts", "ErrorReply",
+    "GetStatus", "Hello", "KvOp", "LoadAssignment", "ModelIdentity", "RingError", "RingMessage", "Shutdown",
+    "Status", "Unload", "Welcome", "WindowSpec", "decode_reply", "decode_request", "decode_ring", "encode",
+    "encode_ring",
+]

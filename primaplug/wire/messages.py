@@ -1,0 +1,146 @@
+"""Control-channel messages: the head (coordinator) asks, a node answers.
+
+Every request gets exactly one reply: the reply named in its docstring, or an ErrorReply. Fields carry their
+units; layer ranges are [start, end). Adding a field with a default keeps PROTOCOL_VERSION (decoders ignore
+fields they do not know); removing or changing one bumps it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from primaplug.core.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+
+class _Msg(msgspec.Struct, frozen=True, tag_field="kind", forbid_unknown_fields=False):
+    pass
+
+
+class ModelIdentity(msgspec.Struct, frozen=True):
+    """Names one exact GGUF: its size plus a hash of its header and tensor table (ModelLayout.identity)."""
+
+    identity: str
+    file_name: str
+    n_layer: int
+    n_embd: int
+
+
+class DeviceFacts(msgspec.Struct, frozen=True):
+    os: str
+    machine: str
+    cpu_count: int
+    mem_total_bytes: int
+    mem_available_bytes: int
+
+
+class WindowSpec(msgspec.Struct, frozen=True):
+    """One window of a node: layers [start, end) in one round, of which gpu_layers run on its GPU."""
+
+    start: int
+    end: int
+    gpu_layers: int = 0
+
+
+class Assignment(msgspec.Struct, frozen=True):
+    """What a node runs: one window per round (an empty window makes it a relay in that round)."""
+
+    epoch: int  # increases with every assignment the head sends; ring messages of other epochs are refused
+    model: ModelIdentity
+    windows: tuple[WindowSpec, ...]
+    successor: str  # the ring endpoint this node sends its output to
+    n_ctx: int
+    n_batch: int
+    n_ubatch: int
+    n_threads: int = 0  # 0: every core of the node
+    n_seq_max: int = 1
+
+
+# --- requests -------------------------------------------------------------------------------------------------
+
+class Hello(_Msg, tag="hello"):
+    """Opens a session with a node. Reply: Welcome."""
+
+    proto: int
+    software: str
+
+
+class LoadAssignment(_Msg, tag="load"):
+    """Replaces the node's assignment; loading goes on in the background. Reply: Status (state "loading")."""
+
+    assignment: Assignment
+
+
+class GetStatus(_Msg, tag="status"):
+    """Reply: Status."""
+
+
+class Unload(_Msg, tag="unload"):
+    """Frees the node's windows; it keeps serving. Reply: Status (state "idle")."""
+
+
+class Shutdown(_Msg, tag="shutdown"):
+    """Stops the node process. Reply: Status, then the node exits."""
+
+
+ControlRequest = Hello | LoadAssignment | GetStatus | Unload | Shutdown
+
+
+# --- replies --------------------------------------------------------------------------------------------------
+
+class Welcome(_Msg, tag="welcome"):
+    proto: int
+    software: str
+    node: str
+    models: tuple[ModelIdentity, ...]
+    device: DeviceFacts
+    ring_endpoint: str  # where this node receives ring messages
+
+
+NodeState = Literal["idle", "loading", "ready", "failed"]
+
+
+class Status(_Msg, tag="status_reply"):
+    node: str
+    state: NodeState
+    epoch: int = 0
+    progress: float = 0.0  # of the current load, 0..1
+    message: str = ""  # what is being loaded, or why the load failed
+    activity: str = ""  # what the ring thread is doing right now, "" when waiting
+    last_step: int = -1  # the last ring step this node finished
+    steps_done: int = 0
+
+
+class ErrorReply(_Msg, tag="error"):
+    node: str
+    code: str  # bad_message, wrong_model, bad_assignment, not_ready, protocol_version, internal
+    message: str
+    retryable: bool = False
+
+
+ControlReply = Welcome | Status | ErrorReply
+
+_enc = msgspec.msgpack.Encoder()
+_req_dec = msgspec.msgpack.Decoder(ControlRequest)
+_rep_dec = msgspec.msgpack.Decoder(ControlReply)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _enc.encode(msg)
+
+
+def decode_request(data: bytes) -> ControlRequest:
+    try:
+        return _req_dec.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"malformed control request: {e}") from None
+
+
+def decode_reply(data: bytes) -> ControlReply:
+    try:
+        return _rep_dec.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"malformed control reply: {e}") from None

@@ -1,0 +1,105 @@
+"""Ring messages: what travels from each device to the next.
+
+An Activation is two frames: a msgpack header and the raw little-endian rows (int32 token ids before the
+first layer, float32 hidden states after it), sent without copying. KV operations and errors travel the same
+way, header only, so they stay in order with the activations: every node applies a KvOp to all its windows and
+passes it on; a node that cannot serve a message passes a RingError on instead, and the head raises it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+from primaplug.core.errors import ProtocolError
+from primaplug.wire.messages import PROTOCOL_VERSION
+
+DTYPES = {"int32": np.dtype("<i4"), "float32": np.dtype("<f4")}
+
+
+class _RingMsg(msgspec.Struct, frozen=True, tag_field="kind"):
+    proto: int
+    epoch: int  # the assignment these belong to
+    step: int  # numbered by the head, one per batch it sends round the ring
+
+
+class Activation(_RingMsg, tag="act"):
+    """n_rows consecutive positions [pos0, pos0 + n_rows) of one sequence, entering round `round`."""
+
+    round: int
+    seq_id: int
+    pos0: int
+    n_rows: int
+    width: int  # 1 for token ids, n_embd for hidden states
+    dtype: Literal["int32", "float32"]
+    all_rows: bool  # whether the head needs every row after the last layer, or only the last one
+
+
+class KvOp(_RingMsg, tag="kv"):
+    """Forget positions [p0, p1) of a sequence (p1 = -1: to the end) in every window; op "clear": everything."""
+
+    op: Literal["clear", "remove"]
+    seq_id: int = 0
+    p0: int = 0
+    p1: int = -1
+
+
+class RingError(_RingMsg, tag="err"):
+    """A node could not serve a ring message; passed on to the head unchanged by the others."""
+
+    node: str
+    code: str
+    message: str
+
+
+RingMessage = Activation | KvOp | RingError
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(RingMessage)
+
+
+def encode_ring(msg: RingMessage, rows: np.ndarray | None = None) -> list[bytes | memoryview]:
+    """The frames of a ring message. Activations carry their rows as a second frame (a view, not a copy)."""
+    frames: list[bytes | memoryview] = [_enc.encode(msg)]
+    if isinstance(msg, Activation):
+        if rows is None:
+            raise ValueError("an Activation needs its rows")
+        arr = np.ascontiguousarray(rows, dtype=DTYPES[msg.dtype])
+        frames.append(memoryview(arr).cast("B"))
+    return frames
+
+
+def decode_ring(frames: list[bytes | memoryview]) -> tuple[RingMessage, np.ndarray | None]:
+    """The message and, for an Activation, its rows (n_rows x width), checked against the header."""
+    if not frames:
+        raise ProtocolError("empty ring message")
+    try:
+        msg = _dec.decode(frames[0])
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"malformed ring header: {e}") from None
+    if msg.proto != PROTOCOL_VERSION:
+        raise ProtocolError(f"ring message speaks protocol {msg.proto}, this side speaks {PROTOCOL_VERSION}: "
+                            "run the same primaplug version on every device")
+    if not isinstance(msg, Activation):
+        if len(frames) != 1:
+            raise ProtocolError(f"a {type(msg).__name__} has one frame, got {len(frames)}")
+        return msg, None
+    if len(frames) != 2:
+        raise ProtocolError(f"an activation has two frames (header, rows), got {len(frames)}")
+    if msg.n_rows < 1 or msg.width < 1 or msg.pos0 < 0 or msg.round < 0 or msg.seq_id < 0:
+        raise ProtocolError(f"activation step {msg.step}: bad shape or position "
+                            f"(rows {msg.n_rows}, width {msg.width}, pos0 {msg.pos0}, round {msg.round}, "
+                            f"seq {msg.seq_id})")
+    if (msg.dtype == "int32") != (msg.width == 1):
+        raise ProtocolError(f"activation step {msg.step}: {msg.dtype} rows of width {msg.width} "
+                            "(token ids are int32 of width 1, hidden states float32 of width n_embd)")
+    dtype = DTYPES[msg.dtype]
+    payload = frames[1]
+    expect = msg.n_rows * msg.width * dtype.itemsize
+    if len(payload) != expect:
+        raise ProtocolError(f"activation step {msg.step}: buffer holds {len(payload)} bytes, the header says "
+                            f"{msg.n_rows} rows x {msg.width} x {dtype.itemsize} = {expect}")
+    rows = np.frombuffer(payload, dtype=dtype).reshape(msg.n_rows, msg.width)
+    return msg, rows

@@ -1,0 +1,30 @@
+"""Shared by the ring tests: plain llama-cpp-python on the whole model, and greedy decoding with all logits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+# the sizes every ring test uses, for the ring and for plain llama-cpp-python alike
+LLAMA_KWARGS: dict[str, Any] = dict(n_ctx=256, n_batch=64, n_ubatch=32, n_threads=2, logits_all=True,
+                                    verbose=False)
+
+
+def greedy_scores(llm: Any, prompt: Sequence[int], steps: int) -> tuple[list[int], np.ndarray]:
+    """Evaluate the prompt, then `steps` greedy tokens; returns the tokens and every logit row computed."""
+    llm.reset()
+    llm.eval(list(prompt))
+    tokens: list[int] = []
+    for _ in range(steps):
+        tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval([tokens[-1]])
+    return tokens, np.array(llm.scores[: llm.n_tokens])
+
+
+def assert_same(ring: tuple[list[int], np.ndarray], plain: tuple[list[int], np.ndarray]) -> None:
+    assert ring[0] == plain[0], "greedy tokens differ from plain llama-cpp-python"
+    scale = float(np.abs(plain[1]).max(axis=1, keepdims=True).min())
+    diff = np.abs(ring[1] - plain[1]).max(axis=1) / np.abs(plain[1]).max(axis=1)
+    assert diff.max() <= 1e-3, f"logits differ by up to {diff.max():.2e} of the row's largest (scale {scale})"
