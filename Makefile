@@ -1,5 +1,5 @@
 # The two commands of the README, and what they need.
-#   make run    run the main job (the bundled Gemma 3 270M split into layer windows)
+#   make run    run the main job (the bundled Gemma 3 270M on a ring of three local node processes)
 #   make test   run the test suite
 # Both set everything up first: a virtual environment in .venv, the patched engine (built once and cached,
 # see scripts/build_engine.py), and primaplug itself.
@@ -16,7 +16,7 @@ STAMP  := $(VENV)/.primaplug-installed
 .PHONY: run test setup engine bench clean
 
 run: setup
-	$(PY) -m primaplug run -p "$(PROMPT)" -n 48 --verify
+	$(PY) -m primaplug run --local-nodes 3 -p "$(PROMPT)" -n 48 --verify
 
 test: setup
 	$(PY) -m pytest
@@ -38,6 +38,7 @@ $(STAMP): pyproject.toml | engine
 
 bench: setup
 	$(PY) benchmarks/windows_overhead.py
+	$(PY) benchmarks/ring_overhead.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -159,6 +159,30 @@ def cmd_layout(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ring_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nodes", type=_addresses, help="HOST:PORT of each `primaplug node`, in ring order")
+    p.add_argument("--local-nodes", type=int, default=0, metavar="N", help="start N nodes on this machine")
+    p.add_argument("--layers", type=_sizes, help="layers per node per round, then optionally the head's")
+    p.add_argument("--rounds", type=int, default=1, help="rounds per token, k (default 1)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096)
+    p.add_argument("-b", "--batch-size", type=int, default=512)
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512)
+    p.add_argument("-t", "--threads", type=int, default=0, help="head CPU threads (default: half the cores)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
+                   help="layers of each node window to run on that node's GPU (default 0)")
+    p.add_argument("--keys", help="cluster key file (primaplug keygen); needed for nodes off this machine")
+    p.add_argument("--listen", default="127.0.0.1", help="address the head receives the ring's output on")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds a silent node may take (default 5)")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if not (args.nodes or args.local_nodes):
+        raise PrimaplugError("serve needs --nodes HOST:PORT,... or --local-nodes N")
+    from primaplug.cli_ring import serve_ring
+
+    return serve_ring(args, Path(args.model) if args.model else default_model())
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="primaplug", description="Run large GGUF models across home devices.")
     ap.add_argument("-v", "--verbose", action="store_true", help="log debug output, llama.cpp's included")
@@ -184,11 +208,21 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nodes", type=_addresses, help="HOST:PORT of each `primaplug node`, in ring order")
     run.add_argument("--local-nodes", type=int, default=0, metavar="N",
                      help="start N nodes on this machine for this run, and stop them after")
-    run.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="GPU layers per node window (default 0)")
+    run.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
+                     help="layers of each node window to run on that node's GPU (default 0)")
     run.add_argument("--keys", help="cluster key file (primaplug keygen); needed for nodes off this machine")
     run.add_argument("--listen", default="127.0.0.1", help="address the head receives the ring's output on")
     run.add_argument("--timeout", type=float, default=5.0, help="seconds a silent node may take (default 5)")
     run.set_defaults(func=cmd_run)
+
+    serve = sub.add_parser("serve", help="serve the ring through llama-cpp-python's OpenAI-compatible server")
+    serve.add_argument("-m", "--model", help="GGUF file (default: the bundled Gemma 3 270M)")
+    serve.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--alias", help="model name in the API (default: the file name)")
+    serve.add_argument("--chat-format", help="llama-cpp-python chat format when the GGUF has no template")
+    _ring_flags(serve)
+    serve.set_defaults(func=cmd_serve)
 
     node = sub.add_parser("node", help="run a node daemon that serves windows of a model to a ring")
     node.add_argument("-m", "--model", action="append", required=True,

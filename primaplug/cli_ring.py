@@ -49,18 +49,17 @@ def _nodes(args: argparse.Namespace, path: Path) -> Iterator[list[str]]:
         print(f"primaplug: stopped the {args.local_nodes} local nodes", file=sys.stderr)
 
 
-def run_ring(args: argparse.Namespace, path: Path) -> int:
+@contextlib.contextmanager
+def _ring(args: argparse.Namespace, path: Path, llama_kwargs: dict[str, Any]) -> Iterator[Any]:
+    """Nodes (given or started here) with the model deployed: a primaplug.Llama, closed on exit."""
     import primaplug
 
-    seed = args.seed if args.seed is not None else random.randrange(2**31)
-    llama_kwargs: dict[str, Any] = dict(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
-                                        n_threads=args.threads or None, seed=seed, verbose=False)
-    sampling = dict(temp=args.temp, top_k=args.top_k, top_p=args.top_p)
     with _nodes(args, path) as addresses:
         bar = _LoadBar()
         t0 = time.perf_counter()
         llm = primaplug.Llama(path, nodes=addresses, layers=args.layers, rounds=args.rounds, keys=args.keys,
-                              listen=args.listen, timeout_s=args.timeout, progress=bar, **llama_kwargs)
+                              listen=args.listen, timeout_s=args.timeout, node_gpu_layers=args.n_gpu_layers,
+                              progress=bar, **llama_kwargs)
         bar.done()
         try:
             c = llm.cluster
@@ -68,9 +67,36 @@ def run_ring(args: argparse.Namespace, path: Path) -> int:
             head = " ".join(str(r) for r in c.head_ranges if r.n_layers) or "output layer only"
             print(f"primaplug: ring of {len(c.nodes)} node(s) + head, {args.rounds} round(s), deployed in "
                   f"{time.perf_counter() - t0:.1f} s: {plan}; head {head}", file=sys.stderr)
-            tokens = _generate(llm, args.prompt, args.n_predict, sampling)
+            yield llm
         finally:
             llm.close()
+
+
+def _llama_kwargs(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
+    return dict(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
+                n_threads=args.threads or None, verbose=False, **extra)
+
+
+def serve_ring(args: argparse.Namespace, path: Path) -> int:
+    """llama-cpp-python's OpenAI-compatible server in front of the ring, until interrupted."""
+    from primaplug.server import create_app
+
+    kwargs = _llama_kwargs(args, chat_format=args.chat_format) if args.chat_format else _llama_kwargs(args)
+    with _ring(args, path, kwargs) as llm:
+        app = create_app(llm, alias=args.alias or path.name, host=args.host, port=args.port)
+        import uvicorn
+
+        print(f"primaplug: serving {args.alias or path.name} at http://{args.host}:{args.port}/v1", file=sys.stderr)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def run_ring(args: argparse.Namespace, path: Path) -> int:
+    seed = args.seed if args.seed is not None else random.randrange(2**31)
+    llama_kwargs = _llama_kwargs(args, seed=seed)
+    sampling = dict(temp=args.temp, top_k=args.top_k, top_p=args.top_p)
+    with _ring(args, path, llama_kwargs) as llm:
+        tokens = _generate(llm, args.prompt, args.n_predict, sampling)
     if args.verify:
         return _verify(path, args.prompt, tokens, llama_kwargs, sampling, args.n_predict)
     return 0

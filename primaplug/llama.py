@@ -38,6 +38,8 @@ class Llama(RingLlama):
         listen: the address the head receives the ring's output on.
         timeout_s: how long a silent node may take before generation stops with an error naming it.
         node_threads: compute threads on each node (0: all its cores).
+        node_gpu_layers: layers of each node window that run on the node's GPU, one number for every node or
+            one per node (the first layers of each window).
         progress: called with (node, fraction, message) while the nodes load.
         **kwargs: llama_cpp.Llama's own arguments (n_ctx, n_batch, n_ubatch, n_threads, seed, chat_format, ...).
     """
@@ -53,6 +55,7 @@ class Llama(RingLlama):
         listen: str = "127.0.0.1",
         timeout_s: float = 5.0,
         node_threads: int = 0,
+        node_gpu_layers: int | Sequence[int] = 0,
         progress: Progress | None = None,
         **kwargs: Any,
     ) -> None:
@@ -67,7 +70,9 @@ class Llama(RingLlama):
                               n_embd=layout.n_embd)
         settings = ClusterSettings(nodes=tuple(nodes), layers=tuple(layers) if layers else None, rounds=rounds,
                                    n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=node_threads,
-                                   listen=listen, timeout_s=timeout_s)
+                                   listen=listen, timeout_s=timeout_s,
+                                   gpu_layers=tuple(node_gpu_layers) if isinstance(node_gpu_layers, Sequence)
+                                   else (node_gpu_layers,) * len(nodes))
         self._cluster: Cluster | None = None
         self._head_model: Model | None = None
         try:

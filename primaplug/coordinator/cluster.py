@@ -29,7 +29,7 @@ class ClusterSettings:
     nodes: tuple[str, ...]  # HOST:PORT of each node's control channel, in ring order
     layers: tuple[int, ...] | None = None  # layers per round for each node, then optionally for the head
     rounds: int = 1
-    gpu_layers: tuple[int, ...] | None = None  # per node and round, from the start of each window
+    gpu_layers: tuple[int, ...] | None = None  # per node: how many of the first layers of each window go on its GPU
     n_ctx: int = 4096
     n_batch: int = 512
     n_ubatch: int = 512

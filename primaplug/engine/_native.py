@@ -81,12 +81,29 @@ class ggml_threadpool_params(ctypes.Structure):
     ]
 
 
-def _sibling(name: str) -> ctypes.CDLL:
-    return ctypes.CDLL(os.path.join(os.path.dirname(_lib._name), name))
+def _sibling(stem: str) -> ctypes.CDLL:
+    """The copy of a ggml library that libllama itself loaded.
+
+    Wheels cannot hold symlinks, so lib/ has the same library under several names (libggml-cpu.so and
+    libggml-cpu.so.0): opening another name than libllama's would load a second copy, whose uninitialised
+    tables give NaNs when its threads compute. So take the file already mapped, else the versioned name
+    that libllama links against.
+    """
+    folder = os.path.dirname(_lib._name)
+    names = sorted(n for n in os.listdir(folder) if n.startswith(f"{_SO_PREFIX}{stem}.") and _SO_SUFFIX in n)
+    try:
+        with open("/proc/self/maps") as maps:
+            mapped = {line.rsplit(None, 1)[-1] for line in maps if folder in line}
+        names.sort(key=lambda n: os.path.join(folder, n) not in mapped)
+    except OSError:  # not Linux: prefer the versioned name (libggml-cpu.so.0, libggml-cpu.0.dylib)
+        names.sort(key=lambda n: n == f"{_SO_PREFIX}{stem}{_SO_SUFFIX}")
+    if not names:
+        raise EngineError(f"no {_SO_PREFIX}{stem}{_SO_SUFFIX} beside {_lib._name}")
+    return ctypes.CDLL(os.path.join(folder, names[0]))
 
 
-_ggml_base = _sibling(f"{_SO_PREFIX}ggml-base{_SO_SUFFIX}")
-_ggml_cpu = _sibling(f"{_SO_PREFIX}ggml-cpu{_SO_SUFFIX}")
+_ggml_base = _sibling("ggml-base")
+_ggml_cpu = _sibling("ggml-cpu")
 
 # GGML_API struct ggml_threadpool_params ggml_threadpool_params_default(int n_threads);
 ggml_threadpool_params_default = _ggml_base.ggml_threadpool_params_default

@@ -12,11 +12,13 @@ import ipaddress
 import itertools
 import logging
 import socket
+import threading
 import time
 from collections.abc import Sequence
 
 import zmq
 import zmq.auth.thread
+import zmq.utils.monitor
 
 from primaplug.core.errors import ConfigError
 from primaplug.transport.keys import ClusterKeys
@@ -65,6 +67,39 @@ class _KeyCheck:
         return ok
 
 
+_HANDSHAKE_FAILED = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed: it does not speak CurveZMQ with the cluster key",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication failed",
+}
+
+
+class _HandshakeLog(threading.Thread):
+    """Logs the peers a Curve server socket turns away before they reach the key check (wrong server key, or
+    no encryption at all): libzmq drops them silently otherwise."""
+
+    def __init__(self, sock: zmq.Socket, address: str) -> None:
+        super().__init__(name=f"handshake-log {address}", daemon=True)
+        self.sock, self.address = sock, address
+        self.monitor = sock.get_monitor_socket(sum(_HANDSHAKE_FAILED))
+        self.stopping = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            if self.monitor.poll(200):
+                event = zmq.utils.monitor.recv_monitor_message(self.monitor)
+                why = _HANDSHAKE_FAILED.get(event["event"])
+                if why:
+                    log.warning("rejected a peer on %s: %s (give it the cluster key file made by "
+                                "`primaplug keygen`)", self.address, why)
+        self.monitor.close()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join(2)
+
+
 class Transport:
     """Owns the ZeroMQ context; every socket of the process comes from here.
 
@@ -76,6 +111,7 @@ class Transport:
         self.keys = keys
         self.ctx = zmq.Context()
         self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
+        self._monitors: list[_HandshakeLog] = []
 
     def _server(self, sock: zmq.Socket) -> None:
         if self.keys is None:
@@ -104,12 +140,15 @@ class Transport:
         self._server(sock)
         try:
             if port == 0:
-                return sock.bind_to_random_port(endpoint(host, 0).rsplit(":", 1)[0])
-            sock.bind(endpoint(host, port))
-            return port
+                port = sock.bind_to_random_port(endpoint(host, 0).rsplit(":", 1)[0])
+            else:
+                sock.bind(endpoint(host, port))
         except zmq.ZMQError as e:
             sock.close()
             raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+        if self.keys is not None:
+            self._monitors.append(_HandshakeLog(sock, endpoint(host, port)))
+        return port
 
     def control_server(self, host: str, port: int) -> ControlServer:
         sock = self._socket(zmq.ROUTER)
@@ -136,6 +175,9 @@ class Transport:
         return RingOut(sock, address)
 
     def close(self) -> None:
+        for m in self._monitors:
+            m.stop()
+        self._monitors.clear()
         if self._auth is not None:
             self._auth.stop()
             self._auth = None

@@ -67,7 +67,7 @@ def encode_ring(msg: RingMessage, rows: np.ndarray | None = None) -> list[bytes 
         if rows is None:
             raise ValueError("an Activation needs its rows")
         arr = np.ascontiguousarray(rows, dtype=DTYPES[msg.dtype])
-        frames.append(memoryview(arr).cast("B"))
+        frames.append(memoryview(arr).cast("B") if arr.size else b"")
     return frames
 
 

@@ -1,0 +1,223 @@
+"""Bad input and failures on a real ring: malformed messages get error replies and the node keeps serving; a
+node killed mid-generation is named within the timeout and the others take a new assignment; CurveZMQ keeps
+peers without the cluster key out."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.ring_helpers import LLAMA_KWARGS, greedy_scores
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.fixture(scope="module")
+def gemma_nodes(gemma_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    from primaplug.launch import LocalNodes
+
+    with LocalNodes(gemma_path, 3, log_dir=tmp_path_factory.mktemp("fault-logs")) as local:
+        yield local
+
+
+# --- malformed messages ---------------------------------------------------------------------------------------
+
+@pytest.fixture
+def one_node_ring(gemma_nodes, gemma_path: Path):
+    """node1 assigned layers [0, 6) of Gemma, its successor a socket of this test."""
+    from primaplug.coordinator import NodeClient
+    from primaplug.engine import read_layout
+    from primaplug.transport import Transport
+    from primaplug.wire import Assignment, ModelIdentity, WindowSpec
+
+    layout = read_layout(gemma_path)
+    t = Transport()
+    client = NodeClient(t, gemma_nodes.addresses[0])
+    client.hello()
+    inbox = t.ring_in("127.0.0.1", 0)
+    ident = ModelIdentity(identity=layout.identity, file_name=gemma_path.name, n_layer=layout.n_layer,
+                          n_embd=layout.n_embd)
+    a = Assignment(epoch=42, model=ident, windows=(WindowSpec(0, 6),), successor=inbox.address, n_ctx=128,
+                   n_batch=32, n_ubatch=32)
+    client.load(a)
+    while client.status().state != "ready":
+        time.sleep(0.05)
+    out = t.ring_out(client.welcome.ring_endpoint)
+    yield client, out, inbox, a, layout
+    out.close(), inbox.close(), client.close()
+    t.close()
+
+
+def _act(**kw):
+    from primaplug.wire import PROTOCOL_VERSION, Activation
+
+    base = dict(proto=PROTOCOL_VERSION, epoch=42, step=1, round=0, seq_id=0, pos0=0, n_rows=3, width=1,
+                dtype="int32", all_rows=True)
+    return Activation(**{**base, **kw})
+
+
+def _reply(inbox):
+    from primaplug.wire import decode_ring
+
+    frames = inbox.recv(10.0)
+    assert frames is not None, "the node sent nothing on"
+    return decode_ring(frames)
+
+
+def test_malformed_ring_messages_get_error_replies(one_node_ring) -> None:
+    import msgspec
+
+    from primaplug.wire import Activation, RingError, encode_ring
+
+    client, out, inbox, _, layout = one_node_ring
+    tokens = np.array([2, 100, 200], dtype=np.int32)
+    header, payload = encode_ring(_act(), tokens)
+    bad = {
+        "wrong version": [msgspec.msgpack.encode({**msgspec.msgpack.decode(header), "proto": 99}), payload],
+        "truncated buffer": [header, bytes(payload)[:-2]],
+        "wrong row count": encode_ring(_act(n_rows=2), tokens[:2])[:1] + [payload],
+        "unknown sequence": encode_ring(_act(seq_id=5), tokens),
+        "stale assignment": encode_ring(_act(epoch=41), tokens),
+        "hidden state of wrong width": encode_ring(_act(width=7, dtype="float32"), np.zeros((3, 7), np.float32)),
+        "garbage": [b"\x00\xffnot msgpack", b"x"],
+        "token out of vocabulary": encode_ring(_act(), np.array([2, 3, layout.n_vocab + 5], np.int32)),
+    }
+    expect = {"wrong version": "protocol 99", "truncated buffer": "bytes", "wrong row count": "bytes",
+              "unknown sequence": "unknown sequence 5", "stale assignment": "assignment 41",
+              "hidden state of wrong width": "takes token ids", "garbage": "malformed",
+              "token out of vocabulary": "token ids must lie"}
+    for name, frames in bad.items():
+        assert out.send(frames, 5.0)
+        msg, _ = _reply(inbox)
+        assert isinstance(msg, RingError), name
+        assert msg.node == "node1" and expect[name] in msg.message, (name, msg.message)
+    # the node still serves: a good message gets hidden states back, and the control channel answers
+    assert out.send(encode_ring(_act(step=2), tokens), 5.0)
+    msg, rows = _reply(inbox)
+    assert isinstance(msg, Activation) and msg.step == 2 and rows.shape == (3, layout.n_embd)
+    assert client.status().state == "ready"
+
+
+def test_bad_control_requests_get_error_replies(one_node_ring, gemma_path: Path) -> None:
+    import msgspec
+
+    from primaplug.core import NodeError
+    from primaplug.wire import ErrorReply, ModelIdentity, WindowSpec, decode_reply
+
+    client, _, _, a, _ = one_node_ring
+    reply = decode_reply(client.client.request(b"\x93not a request", 5.0))
+    assert isinstance(reply, ErrorReply) and reply.code == "bad_message" and reply.node == "node1"
+    other = ModelIdentity(identity="123:abc", file_name="llama-70b.gguf", n_layer=80, n_embd=8192)
+    with pytest.raises(NodeError, match=r"llama-70b.gguf.*this node holds gemma") as e:
+        client.load(msgspec.structs.replace(a, model=other))
+    assert e.value.code == "wrong_model"
+    with pytest.raises(NodeError, match=r"outside the model's layers"):
+        client.load(msgspec.structs.replace(a, windows=(WindowSpec(10, 40),)))
+    assert client.status().state == "ready"  # the refused loads changed nothing
+
+
+# --- a node dies --------------------------------------------------------------------------------------------------
+
+def test_killed_node_is_named_and_the_others_go_on(gemma_nodes, gemma_path: Path) -> None:
+    import primaplug
+    from primaplug.core import NodeUnavailableError
+
+    ring = primaplug.Llama(gemma_path, nodes=gemma_nodes.addresses, timeout_s=2.0, node_threads=1,
+                           **LLAMA_KWARGS)
+    prompt = ring.tokenize(b"The history of distributed computing")
+    failure: list[BaseException] = []
+
+    def decode_forever() -> None:
+        try:
+            greedy_scores(ring, prompt, 200)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            failure.append(e)
+
+    victim = gemma_nodes.nodes[1]
+    worker = threading.Thread(target=decode_forever)
+    worker.start()
+    while ring.n_tokens < len(prompt) + 5 and worker.is_alive():
+        time.sleep(0.01)
+    os.kill(victim.pid, signal.SIGKILL)
+    t_kill = time.monotonic()
+    worker.join(30)
+    waited = time.monotonic() - t_kill
+    ring.close()
+    assert not worker.is_alive(), "the head hung on a dead node"
+    assert failure and isinstance(failure[0], NodeUnavailableError), failure
+    assert failure[0].node == victim.name and "node2" in str(failure[0]) and "step" in str(failure[0])
+    assert waited < 2.0 + 5.0  # the timeout, plus one probe interval and slack for a loaded machine
+    assert victim.proc.wait(5) == -signal.SIGKILL
+
+    survivors = [gemma_nodes.addresses[0], gemma_nodes.addresses[2]]
+    ring = primaplug.Llama(gemma_path, nodes=survivors, timeout_s=2.0, node_threads=1, **LLAMA_KWARGS)
+    try:
+        tokens, _ = greedy_scores(ring, prompt, 8)
+    finally:
+        ring.close()
+    import llama_cpp
+
+    plain = llama_cpp.Llama(str(gemma_path), **LLAMA_KWARGS)
+    try:
+        assert tokens == greedy_scores(plain, prompt, 8)[0]
+    finally:
+        plain.close()
+
+
+# --- CurveZMQ -----------------------------------------------------------------------------------------------------
+
+def test_curve_rejects_peers_without_the_cluster_key(gemma_path: Path, tmp_path: Path) -> None:
+    import primaplug
+    from primaplug.coordinator import NodeClient
+    from primaplug.core import NodeUnavailableError
+    from primaplug.launch import LocalNodes
+    from primaplug.transport import Transport, generate_keys
+
+    key, stranger_key = tmp_path / "cluster.key", tmp_path / "stranger.key"
+    generate_keys(key)
+    generate_keys(stranger_key)
+    from primaplug.transport import load_keys
+
+    with LocalNodes(gemma_path, 2, log_dir=tmp_path / "logs", extra_args=["--keys", str(key)]) as local:
+        for keys in (load_keys(stranger_key), None):  # a wrong key, and no encryption at all
+            t = Transport(keys)
+            client = NodeClient(t, local.addresses[0], timeout_s=1.5)
+            with pytest.raises(NodeUnavailableError, match="did not answer"):
+                client.hello()
+            client.close()
+            t.close()
+        assert "rejected a peer" in local.nodes[0].log()
+
+        ring = primaplug.Llama(gemma_path, nodes=local.addresses, keys=key, node_threads=1, **LLAMA_KWARGS)
+        try:
+            tokens, _ = greedy_scores(ring, ring.tokenize(b"Hello"), 4)
+            assert len(tokens) == 4
+        finally:
+            ring.close()
+
+
+def test_node_refuses_a_public_address_without_keys(gemma_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "primaplug", "node", "--model", str(gemma_path), "--listen",
+                        "0.0.0.0:0"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "without encryption" in r.stderr and "primaplug keygen" in r.stderr
+
+
+def test_keygen_writes_a_private_key_file(tmp_path: Path) -> None:
+    from primaplug.core import ConfigError
+    from primaplug.transport import generate_keys, load_keys
+
+    path = tmp_path / "c.key"
+    keys = generate_keys(path)
+    assert load_keys(path) == keys and (path.stat().st_mode & 0o777) == 0o600
+    assert "secret" not in repr(keys) and keys.secret.decode() not in repr(keys)
+    with pytest.raises(ConfigError, match="exists"):
+        generate_keys(path)

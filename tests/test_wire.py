@@ -1,0 +1,110 @@
+"""Wire messages: every type round-trips, and its bytes are pinned so an accidental protocol change fails here
+(a deliberate one bumps PROTOCOL_VERSION and updates the golden hex)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from primaplug.core import ProtocolError
+from primaplug.wire import (
+    PROTOCOL_VERSION,
+    Activation,
+    Assignment,
+    DeviceFacts,
+    ErrorReply,
+    GetStatus,
+    Hello,
+    KvOp,
+    LoadAssignment,
+    ModelIdentity,
+    RingError,
+    Shutdown,
+    Status,
+    Unload,
+    Welcome,
+    WindowSpec,
+    decode_reply,
+    decode_request,
+    decode_ring,
+    encode,
+    encode_ring,
+)
+
+IDENT = ModelIdentity(identity="1000:abcd", file_name="m.gguf", n_layer=18, n_embd=640)
+ASSIGN = Assignment(epoch=7, model=IDENT, windows=(WindowSpec(0, 6), WindowSpec(9, 12, 2)),
+                    successor="tcp://127.0.0.1:7001", n_ctx=512, n_batch=64, n_ubatch=32)
+REQUESTS = [Hello(proto=PROTOCOL_VERSION, software="0.1.0"), LoadAssignment(assignment=ASSIGN), GetStatus(),
+            Unload(), Shutdown()]
+REPLIES = [
+    Welcome(proto=1, software="0.1.0", node="a", models=(IDENT,),
+            device=DeviceFacts(os="Linux", machine="x86_64", cpu_count=2, mem_total_bytes=1 << 30,
+                               mem_available_bytes=1 << 29), ring_endpoint="tcp://127.0.0.1:7001"),
+    Status(node="a", state="ready", epoch=7, progress=1.0, message="ready", last_step=3, steps_done=4),
+    ErrorReply(node="a", code="wrong_model", message="no"),
+]
+ACT = Activation(proto=PROTOCOL_VERSION, epoch=7, step=3, round=1, seq_id=0, pos0=10, n_rows=2, width=4,
+                 dtype="float32", all_rows=False)
+
+GOLDEN = {
+    "hello": "83a46b696e64a568656c6c6fa570726f746f01a8736f667477617265a5302e312e30",
+    "act": "8ba46b696e64a3616374a570726f746f01a565706f636807a47374657003a5726f756e6401a67365715f696400a4706f73"
+           "300aa66e5f726f777302a5776964746804a56474797065a7666c6f61743332a8616c6c5f726f7773c2",
+}
+
+
+@pytest.mark.parametrize("msg", REQUESTS, ids=lambda m: type(m).__name__)
+def test_requests_round_trip(msg) -> None:
+    assert decode_request(encode(msg)) == msg
+
+
+@pytest.mark.parametrize("msg", REPLIES, ids=lambda m: type(m).__name__)
+def test_replies_round_trip(msg) -> None:
+    assert decode_reply(encode(msg)) == msg
+
+
+def test_golden_bytes() -> None:
+    assert encode(REQUESTS[0]).hex() == GOLDEN["hello"]
+    assert encode_ring(ACT, np.zeros((2, 4), np.float32))[0].hex() == GOLDEN["act"]
+
+
+def test_ring_messages_round_trip_without_copying_rows() -> None:
+    rows = np.arange(8, dtype=np.float32).reshape(2, 4)
+    frames = encode_ring(ACT, rows)
+    assert isinstance(frames[1], memoryview)
+    msg, got = decode_ring([bytes(f) for f in frames])
+    assert msg == ACT and np.array_equal(got, rows)
+    for m in (KvOp(proto=1, epoch=7, step=4, op="remove", seq_id=0, p0=5),
+              RingError(proto=1, epoch=7, step=4, node="b", code="bad_message", message="x")):
+        assert decode_ring(encode_ring(m)) == (m, None)
+
+
+@pytest.mark.parametrize(("frames", "match"), [
+    ([], "empty"),
+    ([b"\xc1"], "malformed ring header"),
+    (lambda: [encode_ring(ACT, np.zeros((2, 4), np.float32))[0]], "two frames"),
+    (lambda: [encode_ring(ACT, np.zeros((2, 4), np.float32))[0], b"\0" * 31], "31 bytes"),
+    (lambda: encode_ring(ACT.__class__(**{**_fields(ACT), "dtype": "int32"}), np.zeros((2, 4), np.int32)),
+     "width"),
+    (lambda: encode_ring(ACT.__class__(**{**_fields(ACT), "n_rows": 0}), np.zeros((0, 4), np.float32)), "bad shape"),
+])
+def test_malformed_ring_messages_are_refused(frames, match) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        decode_ring(frames() if callable(frames) else frames)
+
+
+def test_unknown_fields_are_ignored_and_wrong_types_refused() -> None:
+    import msgspec
+
+    raw = msgspec.msgpack.decode(encode(REQUESTS[0]))
+    assert decode_request(msgspec.msgpack.encode({**raw, "future_field": 1})) == REQUESTS[0]
+    with pytest.raises(ProtocolError, match="malformed control request"):
+        decode_request(msgspec.msgpack.encode({**raw, "proto": "one"}))
+    with pytest.raises(ProtocolError):
+        decode_request(msgspec.msgpack.encode({"kind": "format_disk"}))
+
+
+def _fields(s) -> dict:
+    import msgspec
+
+    return msgspec.structs.asdict(s)
