@@ -236,7 +236,8 @@ class Window:
         """Run the window over a batch of tokens (first window) or hidden states (float32, n x n_embd).
 
         positions: the first position (consecutive positions follow) or one per input row.
-        logits: for a window that outputs logits, "last" (the last row only) or "all".
+        logits: for a window that outputs logits, "last" (the last row only), "all", or "keep": every row
+            computed but left in llama.cpp's buffer, where a llama.cpp sampler reads them (returns no rows).
         Returns hidden states (n x n_embd, float32) or logits (rows x n_vocab, float32).
         """
         self._check_open()
@@ -246,24 +247,26 @@ class Window:
             else np.asarray(positions, dtype=np.int32)
         if pos.shape != (n,):
             raise ValueError(f"got {n} inputs but {pos.shape[0] if pos.ndim else 1} positions")
-        if logits not in ("last", "all"):
-            raise ValueError(f"logits must be 'last' or 'all', not {logits!r}")
+        if logits not in ("last", "all", "keep"):
+            raise ValueError(f"logits must be 'last', 'all' or 'keep', not {logits!r}")
         width = self.n_embd if self.output_hidden else self.n_vocab
         out: list[np.ndarray] = []
         for i in range(0, n, self.settings.n_batch):
             j = min(n, i + self.settings.n_batch)
-            if self.output_hidden or logits == "all":
+            if self.output_hidden or logits != "last":
                 want = np.ones(j - i, dtype=np.int8)
             else:
                 want = np.zeros(j - i, dtype=np.int8)
                 want[-1] = j == n
             n_out = int(want.sum())
             self._decode(rows[i:j], pos[i:j], want, seq_id)
-            if n_out:
+            if n_out and (self.output_hidden or logits != "keep"):
                 src = _ll.llama_get_embeddings(self._ctx) if self.output_hidden else _ll.llama_get_logits(self._ctx)
                 # one copy out of llama.cpp's buffer (np.ctypeslib.as_array costs more than the copy here)
                 raw = ctypes.string_at(ctypes.cast(src, ctypes.c_void_p).value or 0, n_out * width * 4)
                 out.append(np.frombuffer(raw, dtype=np.float32).reshape(n_out, width))
+        if not out:
+            return np.empty((0, width), dtype=np.float32)
         return np.concatenate(out) if len(out) > 1 else out[0]
 
     def _rows(self, inputs: Sequence[int] | np.ndarray) -> np.ndarray:

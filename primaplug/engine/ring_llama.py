@@ -142,7 +142,9 @@ class RingLlama(llama_cpp.Llama):
             n_past, n = self.n_tokens, len(batch)
             try:
                 hidden = self._ring.forward(batch, n_past, all_rows=self._logits_all)
-                logits = self._out.forward(hidden, n_past + n - len(hidden), logits="all")
+                # the sampler reads the logits in the context; copy them out only when llama-cpp-python keeps them
+                logits = self._out.forward(hidden, n_past + n - len(hidden),
+                                           logits="all" if self._logits_all else "keep")
             except BaseException:
                 # the ring's caches are in an unknown state: the next eval clears them and starts over
                 self.n_tokens, self._ctx.cached = 0, self.n_ctx()  # type: ignore[attr-defined]
