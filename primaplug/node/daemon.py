@@ -152,7 +152,7 @@ class Node:
                         if self._deployment is not None:
                             self._deployment.close()
                             self._deployment = None
-                    self._status = Status(node=self.name, state="idle")
+                        self._status = Status(node=self.name, state="idle")
                     return self.status()
                 case Shutdown():
                     self._stop.set()
@@ -208,9 +208,10 @@ class Node:
                 log.exception("loading assignment %d failed", a.epoch)
                 self._status = Status(node=self.name, state="failed", epoch=a.epoch, message=str(e))
                 return
+            # still under the lock, so that an Unload cannot slip in between and be overwritten
+            self._status = Status(node=self.name, state="ready", epoch=a.epoch, progress=1.0, message="ready")
         log.info("assignment %d loaded in %.2f s: windows %s, successor %s", a.epoch, time.perf_counter() - t0,
                  [(w.start, w.end) for w in a.windows], a.successor)
-        self._status = Status(node=self.name, state="ready", epoch=a.epoch, progress=1.0, message="ready")
 
     # --- ring ----------------------------------------------------------------------------------------------
 

@@ -181,7 +181,7 @@ class Transport:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
-        self.ctx.term()
+        self.ctx.destroy(linger=0)  # closes any socket an error path left open, instead of waiting for it
 
 
 class ControlServer:
