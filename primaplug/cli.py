@@ -111,7 +111,9 @@ def cmd_node(args: argparse.Namespace) -> int:
     import platform
     import signal
 
+    from primaplug.memory.prefetcher import Switches
     from primaplug.node import Node, NodeSettings
+    from primaplug.node.deployment import MemorySettings
     from primaplug.transport import Transport, load_keys, split_address
 
     for name in ("primaplug.node", "primaplug.transport"):
@@ -119,8 +121,11 @@ def cmd_node(args: argparse.Namespace) -> int:
             logging.getLogger(name).setLevel(logging.INFO)
     host, port = split_address(args.listen)
     keys = load_keys(args.keys) if args.keys else None
+    memory = MemorySettings(
+        budget_bytes=args.memory_budget << 20 if args.memory_budget is not None else None,
+        switches=Switches(prefetch=not args.no_prefetch, release=not args.no_release, keep=not args.no_keep))
     settings = NodeSettings(models=tuple(Path(m) for m in args.model), host=host, port=port,
-                            name=args.name or platform.node(), secure=keys is not None)
+                            name=args.name or platform.node(), secure=keys is not None, memory=memory)
     transport = Transport(keys)
     try:
         node = Node(settings, transport)
@@ -231,6 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="HOST:PORT of the control channel; the ring uses PORT+1 (default 127.0.0.1:7000)")
     node.add_argument("--name", help="name shown to the head (default: the host name)")
     node.add_argument("--keys", help="cluster key file (primaplug keygen); required off loopback")
+    node.add_argument("--memory-budget", type=int, metavar="MiB",
+                      help="memory for the windows' weights (default: available memory less KV cache, buffers, 5%%)")
+    node.add_argument("--no-prefetch", action="store_true", help="do not page windows in ahead of compute")
+    node.add_argument("--no-release", action="store_true", help="do not drop a streamed window after it ran")
+    node.add_argument("--no-keep", action="store_true", help="keep no part of streamed layers resident")
     node.set_defaults(func=cmd_node)
 
     keygen = sub.add_parser("keygen", help="make a cluster key file for CurveZMQ")

@@ -70,8 +70,9 @@ class NodeClient:
     def load(self, assignment: Assignment) -> Status:
         return self._status_reply(LoadAssignment(assignment=assignment))
 
-    def status(self) -> Status:
-        return self._status_reply(GetStatus())
+    def status(self, detail: bool = False) -> Status:
+        """The node's state; with detail, also its memory measurements (prefetch, faults, residency, pressure)."""
+        return self._status_reply(GetStatus(detail=detail))
 
     def unload(self) -> Status:
         return self._status_reply(Unload())

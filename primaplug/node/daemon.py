@@ -15,13 +15,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import psutil
 
 from primaplug import __version__
 from primaplug.core.errors import ConfigError, PrimaplugError, ProtocolError
 from primaplug.engine import read_layout
-from primaplug.node.deployment import Deployment
+from primaplug.memory.system import memory_view
+from primaplug.node.deployment import Deployment, MemorySettings
 from primaplug.transport import RingIn, Transport, is_loopback
 from primaplug.wire import (
     PROTOCOL_VERSION,
@@ -56,6 +58,7 @@ class NodeSettings:
     name: str = field(default_factory=platform.node)
     secure: bool = False  # whether the transport was given the cluster keys
     send_timeout_s: float = 5.0  # how long a ring send waits for a successor before giving up
+    memory: MemorySettings = MemorySettings()
 
     def check(self) -> None:
         if not self.models:
@@ -93,6 +96,8 @@ class Node:
         self._last_step = -1
         self._steps_done = 0
         self._loader: threading.Thread | None = None
+        mv = memory_view()
+        self._used_at_start = mv.total_bytes - mv.available_bytes  # memory pressure counts from here
 
     # --- main loop -----------------------------------------------------------------------------------------
 
@@ -146,7 +151,7 @@ class Node:
                 case LoadAssignment():
                     return self._load(req.assignment)
                 case GetStatus():
-                    return self.status()
+                    return self.status(detail=req.detail)
                 case Unload():
                     with self._lock:
                         if self._deployment is not None:
@@ -172,10 +177,20 @@ class Node:
                        models=tuple(m for _, m in self._models.values()), device=facts,
                        ring_endpoint=self.ring.address)
 
-    def status(self) -> Status:
+    def status(self, detail: bool = False) -> Status:
         s = self._status
-        return Status(node=self.name, state=s.state, epoch=s.epoch, progress=s.progress, message=s.message,
-                      activity=self._activity, last_step=self._last_step, steps_done=self._steps_done)
+        status = Status(node=self.name, state=s.state, epoch=s.epoch, progress=s.progress, message=s.message,
+                        activity=self._activity, last_step=self._last_step, steps_done=self._steps_done)
+        dep = self._deployment
+        if detail and dep is not None and dep.prefetcher is not None:
+            p = dep.prefetcher
+            mv = memory_view()
+            pressure = max(0.0, (mv.total_bytes - mv.available_bytes - self._used_at_start) / mv.total_bytes)
+            status = msgspec.structs.replace(
+                status, memory_mode=p.mode, bytes_prefetched=p.stats.bytes_prefetched,
+                bytes_released=p.stats.bytes_released, major_faults_per_token=p.stats.major_faults_per_token,
+                resident_bytes=p.resident_bytes(), memory_pressure=pressure)
+        return status
 
     def _load(self, a: Assignment) -> Status | ErrorReply:
         if a.model.identity not in self._models:
@@ -203,7 +218,7 @@ class Node:
                 self._deployment.close()
                 self._deployment = None
             try:
-                self._deployment = Deployment.load(a, path, self.transport, progress)
+                self._deployment = Deployment.load(a, path, self.transport, progress, self.settings.memory)
             except Exception as e:
                 log.exception("loading assignment %d failed", a.epoch)
                 self._status = Status(node=self.name, state="failed", epoch=a.epoch, message=str(e))
@@ -259,6 +274,8 @@ class Node:
         if not dep.out.send(encode_ring(*out), self.settings.send_timeout_s):
             log.error("successor %s did not take step %d within %.1f s; dropped it", dep.out.address, out[0].step,
                       self.settings.send_timeout_s)
+        if isinstance(out[0], Activation):
+            dep.sent(out[0])
 
 
 def _check_assignment(a: Assignment, n_layer: int) -> str:

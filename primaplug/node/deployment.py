@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -11,11 +12,32 @@ import numpy as np
 
 from primaplug.core.errors import PrimaplugError, ProtocolError
 from primaplug.core.windows import LayerRange
-from primaplug.engine import ContextSettings, Model, Window
+from primaplug.engine import ContextSettings, Model, ModelLayout, Window, read_layout
+from primaplug.memory.policy import plan_prefetch
+from primaplug.memory.prefetcher import Prefetcher, Switches
+from primaplug.memory.system import MemoryView, memory_view
 from primaplug.transport import RingOut, Transport
 from primaplug.wire import Activation, Assignment, KvOp
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    budget_bytes: int | None = None  # for the windows' weights; None: what the OS says is available, less the rest
+    switches: Switches = Switches()
+
+
+_read_layout = functools.lru_cache(maxsize=8)(read_layout)  # the node read it at start; loads reuse it
+
+COMPUTE_BUFFER_BYTES = 64 << 20  # llama.cpp's compute buffers for one context, a generous estimate
+MARGIN = 0.05  # of total memory, left to the OS and the apps people use
+
+
+def weights_budget(layout: ModelLayout, a: Assignment, windows: list[LayerRange], view: MemoryView) -> int:
+    """Available memory, less this node's KV cache, compute buffers and a margin: what its weights may use."""
+    kv = sum(layout.kv_bytes_per_token(il) * a.n_ctx for w in windows for il in range(w.start, w.end))
+    return view.available_bytes - kv - COMPUTE_BUFFER_BYTES * len(windows) - int(MARGIN * view.total_bytes)
 
 
 @dataclass
@@ -25,16 +47,24 @@ class Deployment:
     windows: list[Window | None]  # per round; None: this node only relays that round
     out: RingOut
     n_layer: int
+    prefetcher: Prefetcher | None = None
+    streamed: dict[int, int] | None = None  # round -> index of the window in the prefetch plan
 
     @classmethod
     def load(cls, assignment: Assignment, path: str, transport: Transport,
-             progress: Callable[[float, str], None]) -> Deployment:
+             progress: Callable[[float, str], None], memory: MemorySettings = MemorySettings()) -> Deployment:
         specs = assignment.windows
         ranges = [LayerRange(w.start, w.end) for w in specs]
         used = [r for r in ranges if r.n_layers]
         gpu = [il for w in specs for il in range(w.start, w.start + w.gpu_layers)]
-        progress(0.05, f"mapping {os.path.basename(path)} for windows {', '.join(map(str, used)) or '(relay only)'}")
-        model = Model(path, used, output=False, gpu_layers=gpu)
+        layout = _read_layout(path)
+        budget = memory.budget_bytes if memory.budget_bytes is not None else \
+            weights_budget(layout, assignment, used, memory_view())
+        plan = plan_prefetch([layout.window_ranges(r) for r in used], budget, keep=memory.switches.keep)
+        progress(0.05, f"mapping {os.path.basename(path)} for windows {', '.join(map(str, used)) or '(relay only)'}"
+                       f"; {plan.describe()}")
+        # streamed weights must stay backed by the file: repacking would copy them into anonymous memory
+        model = Model(path, used, output=False, gpu_layers=gpu, repack=plan.mode == "resident")
         try:
             settings = ContextSettings(n_ctx=assignment.n_ctx, n_batch=assignment.n_batch,
                                        n_ubatch=assignment.n_ubatch, n_threads=assignment.n_threads,
@@ -44,10 +74,13 @@ class Deployment:
                 progress(0.1 + 0.85 * i / len(ranges), f"creating window {r} (round {i + 1}/{len(ranges)})")
                 windows.append(model.window(r.start, r.end, output_hidden=True, settings=settings) if r.n_layers else None)
             out = transport.ring_out(assignment.successor)
+            prefetcher = Prefetcher(path, plan, memory.switches) if used else None
         except BaseException:
             model.close()
             raise
-        return cls(assignment, model, windows, out, model.layout.n_layer)
+        rounds = [i for i, r in enumerate(ranges) if r.n_layers]
+        return cls(assignment, model, windows, out, model.layout.n_layer, prefetcher,
+                   {r: i for i, r in enumerate(rounds)})
 
     @property
     def epoch(self) -> int:
@@ -71,6 +104,8 @@ class Deployment:
             raise ProtocolError(f"window {window.layers} takes {want}, got {msg.dtype} rows of width {msg.width}")
         if not window.takes_tokens and msg.width != window.n_embd:
             raise ProtocolError(f"hidden states of width {msg.width}, the model's n_embd is {window.n_embd}")
+        if self.prefetcher is not None and self.streamed is not None:
+            self.prefetcher.window_started(self.streamed[msg.round])
         try:
             out = window.forward(rows[:, 0] if window.takes_tokens else rows, msg.pos0, seq_id=msg.seq_id)
         except ValueError as e:
@@ -81,6 +116,12 @@ class Deployment:
         nxt = Activation(proto=msg.proto, epoch=msg.epoch, step=msg.step, round=msg.round, seq_id=msg.seq_id,
                          pos0=pos0, n_rows=n_rows, width=window.n_embd, dtype="float32", all_rows=msg.all_rows)
         return nxt, out
+
+    def sent(self, msg: Activation) -> None:
+        """The round's output has gone to the successor: its streamed weights can go."""
+        if self.prefetcher is not None and self.streamed is not None and msg.round in self.streamed:
+            i = self.streamed[msg.round]
+            self.prefetcher.window_done(i, last_of_token=i == len(self.streamed) - 1)
 
     def apply(self, op: KvOp) -> None:
         for w in self.windows:
@@ -95,5 +136,7 @@ class Deployment:
                     raise ProtocolError(str(e)) from None
 
     def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         self.out.close()
         self.model.close()

@@ -75,7 +75,9 @@ class LoadAssignment(_Msg, tag="load"):
 
 
 class GetStatus(_Msg, tag="status"):
-    """Reply: Status."""
+    """Reply: Status. With detail, also the memory measurements (they cost a mincore over the windows)."""
+
+    detail: bool = False
 
 
 class Unload(_Msg, tag="unload"):
@@ -112,6 +114,13 @@ class Status(_Msg, tag="status_reply"):
     activity: str = ""  # what the ring thread is doing right now, "" when waiting
     last_step: int = -1  # the last ring step this node finished
     steps_done: int = 0
+    # memory (filled in when asked with detail)
+    memory_mode: str = ""  # "resident (no windowing)" or how windows are prefetched
+    bytes_prefetched: int = 0
+    bytes_released: int = 0
+    major_faults_per_token: float = 0.0  # during compute, the prefetcher's own faults left out
+    resident_bytes: int = 0  # of the node's windows, by mincore
+    memory_pressure: float = 0.0  # drop in available memory since the node started, over total (cgroup) memory
 
 
 class ErrorReply(_Msg, tag="error"):

@@ -1,0 +1,138 @@
+"""Which bytes of a node's windows to keep, prefetch and release: a pure plan, and the events that drive it.
+
+A node runs its windows in a cycle (one per round). When they all fit in its memory budget, everything stays
+resident and nothing is advised per token. Otherwise each window's bytes are split: a fraction of every tensor
+(hence of every layer, FlexInfer's finding) is kept resident for good, and the rest is streamed: prefetched
+before the window runs and released after it has run, so the kernel never evicts the next window's prefetched
+pages to make room (the paper's prefetch-release conflict).
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+PAGE = mmap.PAGESIZE
+Ranges = tuple[tuple[int, int], ...]  # (offset, length) in the file
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: Literal["prefetch", "release"]
+    window: int
+
+
+@dataclass(frozen=True)
+class PrefetchPlan:
+    mode: Literal["resident", "stream"]
+    budget_bytes: int
+    keep: Ranges  # resident for good, never released
+    stream: tuple[Ranges, ...]  # per window: prefetched before it runs, released after
+    early: bool  # whether the next window's prefetch starts when the current one starts (two fit at once)
+    keep_fraction: float
+
+    @property
+    def prefetch_room(self) -> int:
+        """Bytes one prefetch may bring in: a window's streamed part, or what is left of the budget when that
+        does not fit (the rest of the window then faults in as it computes)."""
+        room = self.budget_bytes - self.keep_bytes
+        return max(0, room // 2 if self.early else room)
+
+    def prefetch_ranges(self, window: int) -> Ranges:
+        out, left = [], self.prefetch_room
+        for off, n in self.stream[window]:
+            if left <= 0:
+                break
+            take = min(n, left // PAGE * PAGE)
+            if take > 0:
+                out.append((off, take))
+            left -= take
+        return tuple(out)
+
+    @property
+    def stream_bytes(self) -> list[int]:
+        return [sum(n for _, n in w) for w in self.stream]
+
+    @property
+    def keep_bytes(self) -> int:
+        return sum(n for _, n in self.keep)
+
+    def describe(self) -> str:
+        if self.mode == "resident":
+            return f"all windows fit in {self.budget_bytes >> 20} MiB: kept resident, no windowing"
+        return (f"streaming {', '.join(f'{b >> 20} MiB' for b in self.stream_bytes)} per window, keeping "
+                f"{self.keep_fraction:.0%} of every layer ({self.keep_bytes >> 20} MiB), prefetch "
+                f"{'when the previous window starts' if self.early else 'after the previous window is released'}")
+
+
+def _split(ranges: Sequence[tuple[int, int]], fraction: float) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Keep the first `fraction` of each range (cut at a page boundary), stream the rest."""
+    keep, stream = [], []
+    for off, n in ranges:
+        cut = (off + int(n * fraction)) // PAGE * PAGE if fraction > 0 else off
+        cut = min(max(cut, off), off + n)
+        if cut > off:
+            keep.append((off, cut - off))
+        if off + n > cut:
+            stream.append((cut, off + n - cut))
+    return keep, stream
+
+
+def plan_prefetch(windows: Sequence[Sequence[tuple[int, int]]], budget_bytes: int, *,
+                  keep: bool = True) -> PrefetchPlan:
+    """Plan for windows given as their tensors' byte ranges, within a budget for weights (bytes).
+
+    With keep, the kept fraction is the largest that still leaves room for two streamed windows at once
+    (so the next can be prefetched while the current runs), or else for one.
+    """
+    sizes = [sum(n for _, n in w) for w in windows]
+    total = sum(sizes)
+    if total <= budget_bytes:
+        return PrefetchPlan("resident", budget_bytes, tuple(r for w in windows for r in w), tuple(() for _ in windows),
+                            early=False, keep_fraction=1.0)
+    largest = max(sizes)
+    early = budget_bytes >= 2 * largest
+    fraction = 0.0
+    if keep:
+        slots = 2 if early else 1  # f * total + slots * (1 - f) * largest <= budget
+        room, need = budget_bytes - slots * largest, total - slots * largest
+        fraction = max(0.0, min(0.95, room / need)) if need > 0 and room > 0 else 0.0
+    kept: list[tuple[int, int]] = []
+    streamed: list[Ranges] = []
+    for w in windows:
+        k, s = _split(w, fraction)
+        kept += k
+        streamed.append(tuple(s))
+    return PrefetchPlan("stream", budget_bytes, tuple(kept), tuple(streamed), early, fraction)
+
+
+class Schedule:
+    """Turns "window i starts" / "window i is done" into prefetch and release actions, cycling over the windows."""
+
+    def __init__(self, plan: PrefetchPlan, *, prefetch: bool = True, release: bool = True) -> None:
+        self.plan, self.prefetch, self.release = plan, prefetch, release
+        self.n = len(plan.stream)
+
+    def _next(self, i: int) -> int:
+        return (i + 1) % self.n
+
+    def first(self) -> list[Action]:
+        """Before the first token: bring in the first window (everything, when it all fits)."""
+        if self.plan.mode == "resident" or not self.prefetch:
+            return []
+        return [Action("prefetch", 0)]
+
+    def started(self, i: int) -> list[Action]:
+        if self.plan.mode == "resident" or not self.prefetch or not self.plan.early or self.n == 1:
+            return []
+        return [Action("prefetch", self._next(i))]
+
+    def done(self, i: int) -> list[Action]:
+        if self.plan.mode == "resident":
+            return []
+        acts = [Action("release", i)] if self.release else []
+        if self.prefetch and (not self.plan.early or self.n == 1):
+            acts.append(Action("prefetch", self._next(i)))
+        return acts

@@ -1,0 +1,128 @@
+"""The prefetcher of a node: runs a PrefetchPlan's actions in its own thread, and counts what it did."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+from primaplug.memory.advice import Advisor
+from primaplug.memory.policy import Action, PrefetchPlan, Schedule
+from primaplug.memory.residency import resident_bytes
+from primaplug.memory.system import major_faults, memory_view
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Switches:
+    """Each part can be turned off, for ablations."""
+
+    prefetch: bool = True
+    release: bool = True
+    keep: bool = True
+
+
+@dataclass
+class MemoryStats:
+    bytes_prefetched: int = 0
+    bytes_released: int = 0
+    compute_major_faults: int = 0
+    tokens: int = 0
+
+    @property
+    def major_faults_per_token(self) -> float:
+        return self.compute_major_faults / self.tokens if self.tokens else 0.0
+
+
+class Prefetcher:
+    """Call window_started(i) before window i computes and window_done(i) after its output has been sent."""
+
+    def __init__(self, path: str, plan: PrefetchPlan, switches: Switches = Switches()) -> None:
+        self.path, self.plan, self.switches = path, plan, switches
+        self.schedule = Schedule(plan, prefetch=switches.prefetch, release=switches.release)
+        self.advisor = Advisor(path)
+        self.stats = MemoryStats()
+        self._queue: queue.Queue[Action | None] = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._tid = 0
+        self._faults_at_start = 0
+        self._baseline_used = 0
+        self._thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
+        self._thread.start()
+        mv = memory_view()
+        self._baseline_used = mv.total_bytes - mv.available_bytes
+        log.info("memory: %s; prefetch by %s, release by %s", plan.describe(), self.advisor.mode,
+                 self.advisor.release_mode)
+        if plan.mode == "stream" and switches.keep and plan.keep:
+            self._submit(Action("prefetch", -1))  # the kept part, once
+        for a in self.schedule.first():
+            self._submit(a)
+
+    @property
+    def mode(self) -> str:
+        return self.advisor.mode if self.plan.mode == "stream" else "resident (no windowing)"
+
+    def _submit(self, action: Action) -> None:
+        self._idle.clear()
+        self._queue.put(action)
+
+    def _ranges(self, action: Action) -> tuple[tuple[int, int], ...]:
+        if action.window < 0:
+            return self.plan.keep
+        if action.kind == "prefetch":
+            return self.plan.prefetch_ranges(action.window)
+        return self.plan.stream[action.window]
+
+    def _run(self) -> None:
+        self._tid = threading.get_native_id()
+        while True:
+            action = self._queue.get()
+            if action is None:
+                return
+            try:
+                if action.kind == "prefetch":
+                    self.stats.bytes_prefetched += self.advisor.prefetch(self._ranges(action))
+                else:
+                    self.stats.bytes_released += self.advisor.release(self._ranges(action))
+            except OSError as e:
+                log.warning("%s of window %d failed: %s", action.kind, action.window, e)
+            if self._queue.empty():
+                self._idle.set()
+
+    # --- hooks around compute -----------------------------------------------------------------------------
+
+    def window_started(self, i: int) -> None:
+        self._faults_at_start = major_faults(frozenset({self._tid}))
+        for a in self.schedule.started(i):
+            self._submit(a)
+
+    def window_done(self, i: int, *, last_of_token: bool) -> None:
+        self.stats.compute_major_faults += major_faults(frozenset({self._tid})) - self._faults_at_start
+        if last_of_token:
+            self.stats.tokens += 1
+        for a in self.schedule.done(i):
+            self._submit(a)
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        return self._idle.wait(timeout_s)
+
+    # --- measurements -------------------------------------------------------------------------------------
+
+    def resident_bytes(self) -> int:
+        """Bytes of the node's windows (kept and streamed parts) in memory now."""
+        ranges = list(self.plan.keep) + [r for w in self.plan.stream for r in w]
+        return resident_bytes(self.path, ranges)
+
+    def memory_pressure(self) -> float:
+        """The drop in available memory since the node loaded, over total memory (the cgroup's limit inside one)."""
+        mv = memory_view()
+        used = mv.total_bytes - mv.available_bytes
+        return max(0.0, (used - self._baseline_used) / mv.total_bytes)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(5)
+        self.advisor.close()

@@ -1,0 +1,75 @@
+"""The prefetcher's policy as pure functions: which ranges, when, what is kept, what is released."""
+
+from __future__ import annotations
+
+import pytest
+
+from primaplug.memory.policy import PAGE, Action, Schedule, plan_prefetch
+
+MiB = 1 << 20
+# three windows of two layers, each layer one 8 MiB tensor, page-aligned, back to back
+WINDOWS = [[(w * 16 * MiB, 8 * MiB), (w * 16 * MiB + 8 * MiB, 8 * MiB)] for w in range(3)]
+
+
+def test_everything_fits_means_resident_and_no_advice() -> None:
+    plan = plan_prefetch(WINDOWS, 48 * MiB)
+    assert plan.mode == "resident" and plan.keep_bytes == 48 * MiB
+    s = Schedule(plan)
+    assert s.first() == [] and all(s.started(i) == [] and s.done(i) == [] for i in range(3))
+
+
+def test_two_windows_fit_prefetch_starts_with_the_previous_window() -> None:
+    plan = plan_prefetch(WINDOWS, 40 * MiB)
+    assert plan.mode == "stream" and plan.early
+    # keep f of every tensor: f * 48 + 2 * (1 - f) * 16 <= 40  ->  f = 0.5
+    assert plan.keep_fraction == pytest.approx(0.5)
+    assert plan.keep_bytes + 2 * max(plan.stream_bytes) <= 40 * MiB
+    assert len(plan.keep) == 6, "a part of every layer is kept"
+    s = Schedule(plan)
+    assert s.first() == [Action("prefetch", 0)]
+    assert s.started(0) == [Action("prefetch", 1)]
+    assert s.done(0) == [Action("release", 0)]
+    assert s.started(2) == [Action("prefetch", 0)], "windows cycle: after the last comes the first"
+
+
+def test_one_window_fits_prefetch_waits_for_the_release() -> None:
+    plan = plan_prefetch(WINDOWS, 24 * MiB)
+    assert plan.mode == "stream" and not plan.early
+    assert plan.keep_bytes + max(plan.stream_bytes) <= 24 * MiB
+    s = Schedule(plan)
+    assert s.started(1) == []
+    assert s.done(1) == [Action("release", 1), Action("prefetch", 2)]
+
+
+def test_kept_ranges_are_never_released_and_cover_every_layer() -> None:
+    plan = plan_prefetch(WINDOWS, 40 * MiB)
+    streamed = {r for w in plan.stream for r in w}
+    assert not streamed & set(plan.keep)
+    for (off, n), (koff, kn) in zip([r for w in WINDOWS for r in w], plan.keep):
+        assert koff == off and 0 < kn < n and kn % PAGE == 0
+    # kept plus streamed is every byte, exactly once
+    assert sum(n for _, n in plan.keep) + sum(plan.stream_bytes) == 48 * MiB
+
+
+@pytest.mark.parametrize(("prefetch", "release", "keep"), [(False, True, True), (True, False, True), (True, True, False)])
+def test_switches_turn_parts_off(prefetch: bool, release: bool, keep: bool) -> None:
+    plan = plan_prefetch(WINDOWS, 40 * MiB, keep=keep)
+    s = Schedule(plan, prefetch=prefetch, release=release)
+    acts = s.first() + s.started(0) + s.done(0)
+    assert any(a.kind == "prefetch" for a in acts) == prefetch
+    assert any(a.kind == "release" for a in acts) == release
+    assert (plan.keep_bytes > 0) == keep
+
+
+def test_a_budget_smaller_than_one_window_streams_everything() -> None:
+    plan = plan_prefetch(WINDOWS, 8 * MiB)
+    assert plan.mode == "stream" and plan.keep_fraction == 0 and plan.keep == ()
+    assert sum(plan.stream_bytes) == 48 * MiB
+
+
+def test_a_prefetch_never_brings_in_more_than_the_budget_leaves() -> None:
+    for budget in (8 * MiB, 24 * MiB, 40 * MiB):
+        plan = plan_prefetch(WINDOWS, budget)
+        for w in range(3):
+            got = sum(n for _, n in plan.prefetch_ranges(w))
+            assert got <= plan.prefetch_room and plan.keep_bytes + got * (2 if plan.early else 1) <= budget
