@@ -165,14 +165,18 @@ def cmd_layout(args: argparse.Namespace) -> int:
 
 
 def _ring_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of a split run, shared by `run` and `serve`."""
     p.add_argument("--nodes", type=_addresses, help="HOST:PORT of each `primaplug node`, in ring order")
-    p.add_argument("--local-nodes", type=int, default=0, metavar="N", help="start N nodes on this machine")
-    p.add_argument("--layers", type=_sizes, help="layers per node per round, then optionally the head's")
+    p.add_argument("--local-nodes", type=int, default=0, metavar="N",
+                   help="start N nodes on this machine for this run, and stop them after")
+    p.add_argument("--layers", type=_sizes,
+                   help="layers per device per round in ring order, head last (optional with nodes), e.g. 5,6,7")
     p.add_argument("--rounds", type=int, default=1, help="rounds per token, k (default 1)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096)
     p.add_argument("-b", "--batch-size", type=int, default=512)
     p.add_argument("-ub", "--ubatch-size", type=int, default=512)
-    p.add_argument("-t", "--threads", type=int, default=0, help="head CPU threads (default: half the cores)")
+    p.add_argument("-t", "--threads", type=int, default=0,
+                   help="CPU threads of this process (default: all cores without nodes, half of them with)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
                    help="layers of each node window to run on that node's GPU (default 0)")
     p.add_argument("--keys", help="cluster key file (primaplug keygen); needed for nodes off this machine")
@@ -197,27 +201,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-m", "--model", help="GGUF file (default: the bundled Gemma 3 270M)")
     run.add_argument("-p", "--prompt", default="The three primary colors are")
     run.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate (default 64)")
-    run.add_argument("--devices", type=int, default=3, help="devices to split over evenly (default 3)")
-    run.add_argument("--layers", type=_sizes, help="layers per device per round, head last, e.g. 5,6,7")
-    run.add_argument("--rounds", type=int, default=1, help="rounds per token, k (default 1)")
+    run.add_argument("--devices", type=int, default=3, help="devices to split over evenly without nodes (default 3)")
     run.add_argument("--temp", type=float, default=0.8, help="temperature; 0 is greedy (default 0.8)")
     run.add_argument("--top-k", type=int, default=40)
     run.add_argument("--top-p", type=float, default=0.95)
     run.add_argument("--seed", type=int, default=None)
-    run.add_argument("-c", "--ctx-size", type=int, default=4096)
-    run.add_argument("-b", "--batch-size", type=int, default=512)
-    run.add_argument("-ub", "--ubatch-size", type=int, default=512)
-    run.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
     run.add_argument("--verify", action="store_true",
                      help="also generate with plain llama-cpp-python on the whole model and compare the tokens")
-    run.add_argument("--nodes", type=_addresses, help="HOST:PORT of each `primaplug node`, in ring order")
-    run.add_argument("--local-nodes", type=int, default=0, metavar="N",
-                     help="start N nodes on this machine for this run, and stop them after")
-    run.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
-                     help="layers of each node window to run on that node's GPU (default 0)")
-    run.add_argument("--keys", help="cluster key file (primaplug keygen); needed for nodes off this machine")
-    run.add_argument("--listen", default="127.0.0.1", help="address the head receives the ring's output on")
-    run.add_argument("--timeout", type=float, default=5.0, help="seconds a silent node may take (default 5)")
+    _ring_flags(run)
     run.set_defaults(func=cmd_run)
 
     serve = sub.add_parser("serve", help="serve the ring through llama-cpp-python's OpenAI-compatible server")

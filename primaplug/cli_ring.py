@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from llama_cpp import llama_vocab_is_eog
+
 from primaplug.core import PrimaplugError
 
 
@@ -102,6 +104,18 @@ def run_ring(args: argparse.Namespace, path: Path) -> int:
     return 0
 
 
+def _tokens(llm: Any, prompt_tokens: list[int], n_predict: int, sampling: dict[str, Any]) -> Iterator[int]:
+    """The generated token ids, up to n_predict, ending before an end-of-generation token."""
+    if n_predict <= 0:
+        return
+    for n, tok in enumerate(llm.generate(prompt_tokens, **sampling), 1):
+        if llama_vocab_is_eog(llm._model.vocab, tok):
+            return
+        yield tok
+        if n == n_predict:  # stop before llama-cpp-python evaluates a token nobody asked for
+            return
+
+
 def _generate(llm: Any, prompt: str, n_predict: int, sampling: dict[str, Any]) -> list[int]:
     """Stream the completion to stdout; returns the generated token ids."""
     prompt_tokens = llm.tokenize(prompt.encode())
@@ -111,17 +125,13 @@ def _generate(llm: Any, prompt: str, n_predict: int, sampling: dict[str, Any]) -
     sys.stdout.flush()
     out: list[int] = []
     t0 = time.perf_counter()
-    t_first = 0.0
-    for tok in llm.generate(prompt_tokens, **sampling):
+    t_first = t0
+    for tok in _tokens(llm, prompt_tokens, n_predict, sampling):
         if not out:
             t_first = time.perf_counter()
-        if _is_eog(llm, tok):
-            break
         out.append(tok)
         sys.stdout.write(llm.detokenize([tok], prev_tokens=prompt_tokens + out[:-1]).decode("utf-8", "replace"))
         sys.stdout.flush()
-        if len(out) >= n_predict:
-            break
     t_end = time.perf_counter()
     sys.stdout.write("\n")
     ttft = t_first - t0
@@ -139,23 +149,10 @@ def _verify(path: Path, prompt: str, tokens: list[int], llama_kwargs: dict[str, 
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(str(path), **llama_kwargs)
     try:
-        prompt_tokens = llm.tokenize(prompt.encode())
-        plain: list[int] = []
-        for tok in llm.generate(prompt_tokens, **sampling):
-            if _is_eog(llm, tok):
-                break
-            plain.append(tok)
-            if len(plain) >= n_predict:
-                break
+        plain = list(_tokens(llm, llm.tokenize(prompt.encode()), n_predict, sampling))
     finally:
         llm.close()
     same = plain == tokens
     print(f"primaplug: plain llama-cpp-python on the whole model gave {'the same' if same else 'DIFFERENT'} "
           f"{len(plain)} tokens ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     return 0 if same else 1
-
-
-def _is_eog(llm: Any, token: int) -> bool:
-    import llama_cpp
-
-    return bool(llama_cpp.llama_vocab_is_eog(llm._model.vocab, token))

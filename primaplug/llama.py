@@ -80,7 +80,7 @@ class Llama(RingLlama):
             cluster.connect()
             cluster.plan()
             head_windows = [r for r in cluster.head_ranges if r.n_layers]
-            self._head_model = head = Model(path, head_windows, output=True)
+            self._head_model = head = Model(path, head_windows, output=True, layout=layout)
             cluster.deploy(progress)
             threads = kwargs.get("n_threads") or max(1, (os.cpu_count() or 2) // 2)  # llama_cpp.Llama's default
             ctx = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads)

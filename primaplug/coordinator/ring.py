@@ -21,7 +21,16 @@ from primaplug.core.errors import NodeError, NodeUnavailableError, ProtocolError
 from primaplug.core.windows import LayerRange
 from primaplug.coordinator.nodes import NodeClient
 from primaplug.transport import RingIn, RingOut
-from primaplug.wire import PROTOCOL_VERSION, Activation, KvOp, RingError, RingMessage, decode_ring, encode_ring
+from primaplug.wire import (
+    PROTOCOL_VERSION,
+    Activation,
+    KvOp,
+    RingError,
+    RingMessage,
+    decode_ring,
+    encode_ring,
+    window_output,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +82,8 @@ class RingHead:
             msg, rows = got, out
             w = self.head_windows[r]
             if w is not None:
-                rows = w.forward(rows[:, 0] if w.takes_tokens else rows, msg.pos0, seq_id=seq_id)
-                pos0_, n = msg.pos0, len(rows)
-                if w.layers.end == self.n_layer and not all_rows:
-                    rows, pos0_, n = rows[-1:], pos0_ + n - 1, 1
-                msg = Activation(proto=PROTOCOL_VERSION, epoch=self.epoch, step=msg.step, round=r, seq_id=seq_id,
-                                 pos0=pos0_, n_rows=n, width=self.n_embd, dtype="float32", all_rows=all_rows)
+                out = w.forward(rows[:, 0] if w.takes_tokens else rows, msg.pos0, seq_id=seq_id)
+                msg, rows = window_output(msg, out, last_layer=w.layers.end == self.n_layer)
         if msg.dtype != "float32" or msg.width != self.n_embd:
             raise ProtocolError(f"the ring returned {msg.dtype} rows of width {msg.width}, not hidden states")
         return rows

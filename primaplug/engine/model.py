@@ -68,6 +68,7 @@ class Model:
         gpu_layers: layers (from the windows) to run on the first GPU; the rest run on the CPU.
         repack: let llama.cpp repack the windows' weights for faster CPU kernels. Repacked weights are
             copied out of the file mapping at load, so a device that streams windows from disk turns it off.
+        layout: the file's layout when the caller has already read it (read from the header otherwise).
     """
 
     def __init__(
@@ -78,9 +79,10 @@ class Model:
         output: bool = True,
         gpu_layers: Iterable[int] = (),
         repack: bool = True,
+        layout: ModelLayout | None = None,
     ) -> None:
         self.path = os.fspath(path)
-        self.layout: ModelLayout = read_layout(self.path)
+        self.layout: ModelLayout = layout or read_layout(self.path)
         self.layout.check_supported()
         n_layer = self.layout.n_layer
         self.windows = tuple(_as_range(w) for w in windows)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from primaplug.memory.advice import Advisor
 from primaplug.memory.policy import Action, PrefetchPlan, Schedule
 from primaplug.memory.residency import resident_bytes
-from primaplug.memory.system import major_faults, memory_view
+from primaplug.memory.system import major_faults
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +49,8 @@ class Prefetcher:
         self._idle.set()
         self._tid = 0
         self._faults_at_start = 0
-        self._baseline_used = 0
         self._thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
         self._thread.start()
-        mv = memory_view()
-        self._baseline_used = mv.total_bytes - mv.available_bytes
         log.info("memory: %s; prefetch by %s, release by %s", plan.describe(), self.advisor.mode,
                  self.advisor.release_mode)
         if plan.mode == "stream" and switches.keep and plan.keep:
@@ -115,12 +112,6 @@ class Prefetcher:
         """Bytes of the node's windows (kept and streamed parts) in memory now."""
         ranges = list(self.plan.keep) + [r for w in self.plan.stream for r in w]
         return resident_bytes(self.path, ranges)
-
-    def memory_pressure(self) -> float:
-        """The drop in available memory since the node loaded, over total memory (the cgroup's limit inside one)."""
-        mv = memory_view()
-        used = mv.total_bytes - mv.available_bytes
-        return max(0.0, (used - self._baseline_used) / mv.total_bytes)
 
     def close(self) -> None:
         self._queue.put(None)

@@ -16,6 +16,15 @@ class MemoryView:
     available_bytes: int
     source: str  # "cgroup v2", "cgroup v1" or "system"
 
+    @property
+    def used_bytes(self) -> int:
+        return self.total_bytes - self.available_bytes
+
+    def pressure_since(self, used_before: int) -> float:
+        """Memory pressure as the paper defines it: the drop in available memory since `used_before` was
+        measured, over total memory (the cgroup's limit inside one)."""
+        return max(0.0, (self.used_bytes - used_before) / self.total_bytes)
+
 
 def _cgroup_files() -> tuple[Path, Path, str] | None:
     try:

@@ -21,7 +21,7 @@ import psutil
 
 from primaplug import __version__
 from primaplug.core.errors import ConfigError, PrimaplugError, ProtocolError
-from primaplug.engine import read_layout
+from primaplug.engine import ModelLayout, read_layout
 from primaplug.memory.system import memory_view
 from primaplug.node.deployment import Deployment, MemorySettings
 from primaplug.transport import RingIn, Transport, is_loopback
@@ -80,12 +80,12 @@ class Node:
         self.settings = settings
         self.name = settings.name
         self.transport = transport
-        self._models: dict[str, tuple[Path, ModelIdentity]] = {}
+        self._models: dict[str, tuple[Path, ModelLayout, ModelIdentity]] = {}
         for path in settings.models:
             layout = read_layout(path)
             layout.check_supported()
-            self._models[layout.identity] = (path, ModelIdentity(identity=layout.identity, file_name=path.name,
-                                                                 n_layer=layout.n_layer, n_embd=layout.n_embd))
+            self._models[layout.identity] = (path, layout, ModelIdentity(
+                identity=layout.identity, file_name=path.name, n_layer=layout.n_layer, n_embd=layout.n_embd))
         self.control = transport.control_server(settings.host, settings.port)
         self.ring: RingIn = transport.ring_in(settings.host, settings.port + 1 if settings.port else 0)
         self._lock = threading.Lock()  # held by the ring loop while it computes, and by a load while it swaps
@@ -96,8 +96,7 @@ class Node:
         self._last_step = -1
         self._steps_done = 0
         self._loader: threading.Thread | None = None
-        mv = memory_view()
-        self._used_at_start = mv.total_bytes - mv.available_bytes  # memory pressure counts from here
+        self._used_at_start = memory_view().used_bytes  # memory pressure counts from here
 
     # --- main loop -----------------------------------------------------------------------------------------
 
@@ -120,14 +119,18 @@ class Node:
             if self._loader is not None:
                 self._loader.join(timeout=30)
             with self._lock:
-                if self._deployment is not None:
-                    self._deployment.close()
-                    self._deployment = None
+                self._drop_deployment()
             self.control.close()
             self.ring.close()
 
     def stop(self) -> None:
         self._stop.set()
+
+    def _drop_deployment(self) -> None:
+        """Free the current windows (the caller holds the deployment lock)."""
+        if self._deployment is not None:
+            self._deployment.close()
+            self._deployment = None
 
     # --- control -------------------------------------------------------------------------------------------
 
@@ -154,9 +157,7 @@ class Node:
                     return self.status(detail=req.detail)
                 case Unload():
                     with self._lock:
-                        if self._deployment is not None:
-                            self._deployment.close()
-                            self._deployment = None
+                        self._drop_deployment()
                         self._status = Status(node=self.name, state="idle")
                     return self.status()
                 case Shutdown():
@@ -174,7 +175,7 @@ class Node:
         facts = DeviceFacts(os=platform.system(), machine=platform.machine(), cpu_count=os.cpu_count() or 1,
                             mem_total_bytes=mem.total, mem_available_bytes=mem.available)
         return Welcome(proto=PROTOCOL_VERSION, software=__version__, node=self.name,
-                       models=tuple(m for _, m in self._models.values()), device=facts,
+                       models=tuple(m for _, _, m in self._models.values()), device=facts,
                        ring_endpoint=self.ring.address)
 
     def status(self, detail: bool = False) -> Status:
@@ -184,8 +185,7 @@ class Node:
         dep = self._deployment
         if detail and dep is not None and dep.prefetcher is not None:
             p = dep.prefetcher
-            mv = memory_view()
-            pressure = max(0.0, (mv.total_bytes - mv.available_bytes - self._used_at_start) / mv.total_bytes)
+            pressure = memory_view().pressure_since(self._used_at_start)
             status = msgspec.structs.replace(
                 status, memory_mode=p.mode, bytes_prefetched=p.stats.bytes_prefetched,
                 bytes_released=p.stats.bytes_released, major_faults_per_token=p.stats.major_faults_per_token,
@@ -194,31 +194,30 @@ class Node:
 
     def _load(self, a: Assignment) -> Status | ErrorReply:
         if a.model.identity not in self._models:
-            held = ", ".join(f"{m.file_name} ({m.identity})" for _, m in self._models.values())
+            held = ", ".join(f"{m.file_name} ({m.identity})" for _, _, m in self._models.values())
             return self._error("wrong_model", f"the head asked for {a.model.file_name} ({a.model.identity}), "
                                f"this node holds {held}: start it with --model pointing at the head's file")
-        path, ident = self._models[a.model.identity]
+        path, layout, ident = self._models[a.model.identity]
         problem = _check_assignment(a, ident.n_layer)
         if problem:
             return self._error("bad_assignment", problem)
         if self._loader is not None and self._loader.is_alive():
             return self._error("busy", "a load is already running; wait for it (see status)", retryable=True)
         self._status = Status(node=self.name, state="loading", epoch=a.epoch, message="waiting for the ring")
-        self._loader = threading.Thread(target=self._run_load, args=(a, str(path)), name="load", daemon=True)
+        self._loader = threading.Thread(target=self._run_load, args=(a, str(path), layout), name="load",
+                                        daemon=True)
         self._loader.start()
         return self.status()
 
-    def _run_load(self, a: Assignment, path: str) -> None:
+    def _run_load(self, a: Assignment, path: str, layout: ModelLayout) -> None:
         def progress(frac: float, what: str) -> None:
             self._status = Status(node=self.name, state="loading", epoch=a.epoch, progress=frac, message=what)
 
         t0 = time.perf_counter()
         with self._lock:  # no compute while deployments change
-            if self._deployment is not None:
-                self._deployment.close()
-                self._deployment = None
+            self._drop_deployment()
             try:
-                self._deployment = Deployment.load(a, path, self.transport, progress, self.settings.memory)
+                self._deployment = Deployment.load(a, path, layout, self.transport, progress, self.settings.memory)
             except Exception as e:
                 log.exception("loading assignment %d failed", a.epoch)
                 self._status = Status(node=self.name, state="failed", epoch=a.epoch, message=str(e))

@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from primaplug.core.errors import PrimaplugError, ProtocolError
 from primaplug.core.windows import LayerRange
-from primaplug.engine import ContextSettings, Model, ModelLayout, Window, read_layout
+from primaplug.engine import ContextSettings, Model, ModelLayout, Window
 from primaplug.memory.policy import plan_prefetch
 from primaplug.memory.prefetcher import Prefetcher, Switches
 from primaplug.memory.system import MemoryView, memory_view
 from primaplug.transport import RingOut, Transport
-from primaplug.wire import Activation, Assignment, KvOp
+from primaplug.wire import Activation, Assignment, KvOp, window_output
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +26,6 @@ class MemorySettings:
     budget_bytes: int | None = None  # for the windows' weights; None: what the OS says is available, less the rest
     switches: Switches = Switches()
 
-
-_read_layout = functools.lru_cache(maxsize=8)(read_layout)  # the node read it at start; loads reuse it
 
 COMPUTE_BUFFER_BYTES = 64 << 20  # llama.cpp's compute buffers for one context, a generous estimate
 MARGIN = 0.05  # of total memory, left to the OS and the apps people use
@@ -47,24 +44,23 @@ class Deployment:
     windows: list[Window | None]  # per round; None: this node only relays that round
     out: RingOut
     n_layer: int
-    prefetcher: Prefetcher | None = None
-    streamed: dict[int, int] | None = None  # round -> index of the window in the prefetch plan
+    prefetcher: Prefetcher | None = None  # None for a node that only relays
+    streamed: dict[int, int] = field(default_factory=dict)  # round -> index of its window in the prefetch plan
 
     @classmethod
-    def load(cls, assignment: Assignment, path: str, transport: Transport,
+    def load(cls, assignment: Assignment, path: str, layout: ModelLayout, transport: Transport,
              progress: Callable[[float, str], None], memory: MemorySettings = MemorySettings()) -> Deployment:
         specs = assignment.windows
         ranges = [LayerRange(w.start, w.end) for w in specs]
         used = [r for r in ranges if r.n_layers]
         gpu = [il for w in specs for il in range(w.start, w.start + w.gpu_layers)]
-        layout = _read_layout(path)
         budget = memory.budget_bytes if memory.budget_bytes is not None else \
             weights_budget(layout, assignment, used, memory_view())
         plan = plan_prefetch([layout.window_ranges(r) for r in used], budget, keep=memory.switches.keep)
         progress(0.05, f"mapping {os.path.basename(path)} for windows {', '.join(map(str, used)) or '(relay only)'}"
                        f"; {plan.describe()}")
         # streamed weights must stay backed by the file: repacking would copy them into anonymous memory
-        model = Model(path, used, output=False, gpu_layers=gpu, repack=plan.mode == "resident")
+        model = Model(path, used, output=False, gpu_layers=gpu, repack=plan.mode == "resident", layout=layout)
         try:
             settings = ContextSettings(n_ctx=assignment.n_ctx, n_batch=assignment.n_batch,
                                        n_ubatch=assignment.n_ubatch, n_threads=assignment.n_threads,
@@ -104,22 +100,17 @@ class Deployment:
             raise ProtocolError(f"window {window.layers} takes {want}, got {msg.dtype} rows of width {msg.width}")
         if not window.takes_tokens and msg.width != window.n_embd:
             raise ProtocolError(f"hidden states of width {msg.width}, the model's n_embd is {window.n_embd}")
-        if self.prefetcher is not None and self.streamed is not None:
+        if self.prefetcher is not None:
             self.prefetcher.window_started(self.streamed[msg.round])
         try:
             out = window.forward(rows[:, 0] if window.takes_tokens else rows, msg.pos0, seq_id=msg.seq_id)
         except ValueError as e:
             raise ProtocolError(str(e)) from None
-        pos0, n_rows = msg.pos0, msg.n_rows
-        if window.layers.end == self.n_layer and not msg.all_rows:
-            out, pos0, n_rows = out[-1:], pos0 + n_rows - 1, 1  # the head needs only the last row's logits
-        nxt = Activation(proto=msg.proto, epoch=msg.epoch, step=msg.step, round=msg.round, seq_id=msg.seq_id,
-                         pos0=pos0, n_rows=n_rows, width=window.n_embd, dtype="float32", all_rows=msg.all_rows)
-        return nxt, out
+        return window_output(msg, out, last_layer=window.layers.end == self.n_layer)
 
     def sent(self, msg: Activation) -> None:
         """The round's output has gone to the successor: its streamed weights can go."""
-        if self.prefetcher is not None and self.streamed is not None and msg.round in self.streamed:
+        if self.prefetcher is not None and msg.round in self.streamed:
             i = self.streamed[msg.round]
             self.prefetcher.window_done(i, last_of_token=i == len(self.streamed) - 1)
 

@@ -24,11 +24,11 @@ from primaplug.wire.messages import (
     decode_request,
     encode,
 )
-from primaplug.wire.ring import Activation, KvOp, RingError, RingMessage, decode_ring, encode_ring
+from primaplug.wire.ring import Activation, KvOp, RingError, RingMessage, decode_ring, encode_ring, window_output
 
 __all__ = [
     "PROTOCOL_VERSION", "Activation", "Assignment", "ControlReply", "ControlRequest", "DeviceFacts", "ErrorReply",
     "GetStatus", "Hello", "KvOp", "LoadAssignment", "ModelIdentity", "RingError", "RingMessage", "Shutdown",
     "Status", "Unload", "Welcome", "WindowSpec", "decode_reply", "decode_request", "decode_ring", "encode",
-    "encode_ring",
+    "encode_ring", "window_output",
 ]

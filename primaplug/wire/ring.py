@@ -56,6 +56,17 @@ class RingError(_RingMsg, tag="err"):
 
 RingMessage = Activation | KvOp | RingError
 
+
+def window_output(msg: Activation, out: np.ndarray, *, last_layer: bool) -> tuple[Activation, np.ndarray]:
+    """What a window that received `msg` sends on: its hidden rows (float32, n x n_embd). After the model's last
+    layer only the last row goes on, unless the head asked for every row's logits."""
+    pos0, n_rows = msg.pos0, len(out)
+    if last_layer and not msg.all_rows:
+        out, pos0, n_rows = out[-1:], pos0 + n_rows - 1, 1
+    nxt = Activation(proto=msg.proto, epoch=msg.epoch, step=msg.step, round=msg.round, seq_id=msg.seq_id,
+                     pos0=pos0, n_rows=n_rows, width=out.shape[1], dtype="float32", all_rows=msg.all_rows)
+    return nxt, out
+
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(RingMessage)
 
