@@ -104,10 +104,10 @@ def main() -> int:
         variants = {
             "plain_llama": plain,
             "one_node": primaplug.Llama(path, nodes=a[:1], layers=[n_layer], node_threads=args.threads, **kw),
-            "three_nodes_1_round": primaplug.Llama(path, nodes=a, node_threads=args.threads, **kw),
+            "three_nodes_1_round": primaplug.Llama(path, nodes=a, scheduler="even", node_threads=args.threads, **kw),
         }
         if n_layer % 2 == 0:
-            variants["three_nodes_2_rounds"] = primaplug.Llama(path, nodes=a, rounds=2, node_threads=args.threads, **kw)
+            variants["three_nodes_2_rounds"] = primaplug.Llama(path, nodes=a, scheduler="even", rounds=2, node_threads=args.threads, **kw)
         # every ring above was deployed to the same nodes; only the last deployment is live, so each variant
         # redeploys before its trial (cheap: the mapping stays in the page cache)
         times: dict[str, list[float]] = {k: [] for k in variants}

@@ -47,13 +47,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     path = Path(args.model) if args.model else default_model()
     layout = read_layout(path)
     layout.check_supported()
-    if args.rounds < 1 or layout.n_layer % args.rounds:
-        raise PrimaplugError(f"--rounds must divide the model's {layout.n_layer} layers, got {args.rounds}")
-    sizes = args.layers or even_split(layout.n_layer // args.rounds, args.devices)
-    per_device = ring_windows(sizes, args.rounds, layout.n_layer)
+    rounds = args.rounds or 1
+    if rounds < 1 or layout.n_layer % rounds:
+        raise PrimaplugError(f"--rounds must divide the model's {layout.n_layer} layers, got {rounds}")
+    sizes = args.layers or even_split(layout.n_layer // rounds, args.devices)
+    per_device = ring_windows(sizes, rounds, layout.n_layer)
     order = [w for w in execution_order(per_device) if w.n_layers]
     print(f"primaplug: {path.name} ({layout.arch}, {layout.n_layer} layers), {len(sizes)} devices x "
-          f"{args.rounds} round(s): " + " ".join(str(w) for w in order), file=sys.stderr)
+          f"{rounds} round(s): " + " ".join(str(w) for w in order), file=sys.stderr)
     print("primaplug: no --nodes given, so the windows run chained in this process, in ring order",
           file=sys.stderr)
 
@@ -125,7 +126,8 @@ def cmd_node(args: argparse.Namespace) -> int:
         budget_bytes=args.memory_budget << 20 if args.memory_budget is not None else None,
         switches=Switches(prefetch=not args.no_prefetch, release=not args.no_release, keep=not args.no_keep))
     settings = NodeSettings(models=tuple(Path(m) for m in args.model), host=host, port=port,
-                            name=args.name or platform.node(), secure=keys is not None, memory=memory)
+                            name=args.name or platform.node(), secure=keys is not None, memory=memory,
+                            profile_dir=Path(args.profile_dir) if args.profile_dir else None)
     transport = Transport(keys)
     try:
         node = Node(settings, transport)
@@ -164,14 +166,62 @@ def cmd_layout(args: argparse.Namespace) -> int:
     return 0
 
 
+def _byte_size(text: str) -> int:
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1] if t and t[-1] in units else ""
+    try:
+        n = float(t[: len(t) - len(unit)]) * units[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a size like 1.5G, 800M or 2000000000, got {text!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
+    return int(n)
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from primaplug.engine.synthetic import FTYPES, spec_for_size, write_sized_model
+
+    if args.type not in FTYPES:
+        raise PrimaplugError(f"--type must be one of {', '.join(FTYPES)}")
+    out = Path(args.output)
+    if out.exists() and not args.force:
+        raise PrimaplugError(f"{out} exists; pass --force to overwrite it")
+    spec = spec_for_size(args.size, args.layers, ftype=args.type, seed=args.seed)
+    print(f"primaplug: writing {out.name}: llama, {spec.n_layer} layers, n_embd {spec.n_embd}, n_ff {spec.n_ff}, "
+          f"{spec.n_head} heads ({spec.n_head_kv} KV), vocab {spec.n_vocab}, {args.type}, random weights "
+          f"(seed {args.seed})", file=sys.stderr)
+    tty, shown = sys.stderr.isatty(), [""]
+
+    def progress(what: str, done: int, total: int) -> None:
+        line = f"primaplug: [{'#' * (20 * done // max(total, 1)):<20}] {100 * done // max(total, 1):3d}% {what}"
+        if line != shown[0] and (tty or done in (0, total)):
+            shown[0] = line
+            print(("\r\033[K" if tty else "") + line, end="" if tty else "\n", file=sys.stderr)
+
+    t0 = time.perf_counter()
+    write_sized_model(out, args.size, args.layers, ftype=args.type, seed=args.seed, progress=progress)
+    if tty:
+        print(file=sys.stderr)
+    print(f"primaplug: wrote {out} ({out.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f} s",
+          file=sys.stderr)
+    return 0
+
+
 def _ring_flags(p: argparse.ArgumentParser) -> None:
     """The flags of a split run, shared by `run` and `serve`."""
     p.add_argument("--nodes", type=_addresses, help="HOST:PORT of each `primaplug node`, in ring order")
     p.add_argument("--local-nodes", type=int, default=0, metavar="N",
                    help="start N nodes on this machine for this run, and stop them after")
     p.add_argument("--layers", type=_sizes,
-                   help="layers per device per round in ring order, head last (optional with nodes), e.g. 5,6,7")
-    p.add_argument("--rounds", type=int, default=1, help="rounds per token, k (default 1)")
+                   help="a manual split: layers per device per round in ring order, head last, e.g. 5,6,7")
+    p.add_argument("--scheduler", choices=("halda", "memory", "compute", "even"), default="halda",
+                   help="how windows are chosen without --layers: halda (profile, measure, solve; the default), "
+                        "the baselines memory (exo) or compute (Galaxy), or even (split evenly, nothing measured)")
+    p.add_argument("--rounds", type=int, help="rounds per token, k (default: the scheduler's choice, else 1)")
+    p.add_argument("--slow-disk", type=float, default=400, metavar="MB/s",
+                   help="disks reading at most this fast never stream layers under halda (default 400)")
+    p.add_argument("--reprofile", action="store_true", help="measure every device again, ignoring cached profiles")
     p.add_argument("-c", "--ctx-size", type=int, default=4096)
     p.add_argument("-b", "--batch-size", type=int, default=512)
     p.add_argument("-ub", "--ubatch-size", type=int, default=512)
@@ -182,6 +232,14 @@ def _ring_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keys", help="cluster key file (primaplug keygen); needed for nodes off this machine")
     p.add_argument("--listen", default="127.0.0.1", help="address the head receives the ring's output on")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds a silent node may take (default 5)")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    if not (args.nodes or args.local_nodes):
+        raise PrimaplugError("plan needs --nodes HOST:PORT,... or --local-nodes N")
+    from primaplug.cli_ring import plan_ring
+
+    return plan_ring(args, Path(args.model) if args.model else default_model())
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -220,6 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
     _ring_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
+    plan = sub.add_parser("plan", help="profile the devices and print the scheduler's plan, without deploying")
+    plan.add_argument("-m", "--model", help="GGUF file (default: the bundled Gemma 3 270M)")
+    _ring_flags(plan)
+    plan.set_defaults(func=cmd_plan)
+
     node = sub.add_parser("node", help="run a node daemon that serves windows of a model to a ring")
     node.add_argument("-m", "--model", action="append", required=True,
                       help="GGUF file this node may load (repeat for several); no other file is ever opened")
@@ -232,11 +295,22 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--no-prefetch", action="store_true", help="do not page windows in ahead of compute")
     node.add_argument("--no-release", action="store_true", help="do not drop a streamed window after it ran")
     node.add_argument("--no-keep", action="store_true", help="keep no part of streamed layers resident")
+    node.add_argument("--profile-dir", help="where this device's measured profile is cached "
+                      "(default ~/.cache/primaplug/profiles; give each emulated device its own)")
     node.set_defaults(func=cmd_node)
 
     keygen = sub.add_parser("keygen", help="make a cluster key file for CurveZMQ")
     keygen.add_argument("path", nargs="?", default="cluster.key")
     keygen.set_defaults(func=cmd_keygen)
+
+    synth = sub.add_parser("synth", help="write a synthetic llama GGUF of a chosen size (random weights)")
+    synth.add_argument("output", help="the GGUF file to write")
+    synth.add_argument("--size", type=_byte_size, required=True, help="file size to aim at, e.g. 1.5G or 800M")
+    synth.add_argument("--layers", type=int, default=32, help="transformer layers (default 32)")
+    synth.add_argument("--type", default="Q4_K_M", help="llama.cpp quantization (default Q4_K_M)")
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--force", action="store_true", help="overwrite an existing file")
+    synth.set_defaults(func=cmd_synth)
 
     lay = sub.add_parser("layout", help="print a GGUF model's layers, sizes and KV bytes")
     lay.add_argument("-m", "--model", help="GGUF file (default: the bundled Gemma 3 270M)")

@@ -59,19 +59,81 @@ def _ring(args: argparse.Namespace, path: Path, llama_kwargs: dict[str, Any]) ->
     with _nodes(args, path) as addresses:
         bar = _LoadBar()
         t0 = time.perf_counter()
-        llm = primaplug.Llama(path, nodes=addresses, layers=args.layers, rounds=args.rounds, keys=args.keys,
+        llm = primaplug.Llama(path, nodes=addresses, layers=args.layers, scheduler=args.scheduler,
+                              rounds=args.rounds, plan_settings=_plan_settings(args), keys=args.keys,
                               listen=args.listen, timeout_s=args.timeout, node_gpu_layers=args.n_gpu_layers,
                               progress=bar, **llama_kwargs)
         bar.done()
         try:
+            if llm.plan is not None:
+                print("primaplug: " + llm.plan.describe().replace("\n", "\nprimaplug:   "), file=sys.stderr)
             c = llm.cluster
             plan = "; ".join(f"{n} {' '.join(map(str, r))}" for n, r in zip(c.nodes, c.node_ranges))
             head = " ".join(str(r) for r in c.head_ranges if r.n_layers) or "output layer only"
-            print(f"primaplug: ring of {len(c.nodes)} node(s) + head, {args.rounds} round(s), deployed in "
-                  f"{time.perf_counter() - t0:.1f} s: {plan}; head {head}", file=sys.stderr)
+            print(f"primaplug: ring of {len(c.nodes)} node(s) + head, {len(c.head_ranges)} round(s), deployed in "
+                  f"{time.perf_counter() - t0:.1f} s: {plan}{'; ' if plan else ''}head {head}", file=sys.stderr)
             yield llm
         finally:
             llm.close()
+
+
+def _plan_settings(args: argparse.Namespace) -> Any:
+    from primaplug.planning import PlanSettings
+
+    return PlanSettings(scheduler=args.scheduler if args.scheduler != "even" else "halda", rounds=args.rounds,
+                        slow_disk_bps=args.slow_disk * 1e6, force_profile=args.reprofile)
+
+
+def plan_ring(args: argparse.Namespace, path: Path) -> int:
+    """Profile every device and print the plan with its predicted time per token, without deploying."""
+    from primaplug.coordinator import Cluster, ClusterSettings
+    from primaplug.engine import read_layout
+    from primaplug.planning import measure, plan_cluster
+    from primaplug.transport import Transport, load_keys
+    from primaplug.wire import ModelIdentity
+
+    layout = read_layout(path)
+    layout.check_supported()
+    ps = _plan_settings(args)
+    with _nodes(args, path) as addresses:
+        transport = Transport(load_keys(args.keys) if args.keys else None)
+        settings = ClusterSettings(nodes=tuple(addresses), n_ctx=args.ctx_size, n_batch=args.batch_size,
+                                   n_ubatch=args.ubatch_size, listen=args.listen, timeout_s=args.timeout)
+        ident = ModelIdentity(identity=layout.identity, file_name=path.name, n_layer=layout.n_layer,
+                              n_embd=layout.n_embd)
+        cluster = Cluster(transport, settings, ident)
+        try:
+            cluster.connect()
+            said: set[str] = set()
+
+            def say(what: str) -> None:
+                if what not in said:
+                    said.add(what)
+                    print(f"primaplug: {what}", file=sys.stderr)
+
+            measured = measure(cluster, path, layout, ps, say)
+            print(_profiles_table(measured))
+            print(plan_cluster(cluster, measured, ps).describe())
+        finally:
+            cluster.close()
+            transport.close()
+    return 0
+
+
+def _profiles_table(measured: Any) -> str:
+    gb = 1e9
+    lines = [f"model {measured.model.name}: {measured.model.n_layer} layers of {measured.model.layer_bytes / gb:.3f} GB, "
+             f"KV {measured.model.kv_bytes_per_token_layer} B/token/layer for {measured.model.n_kv} tokens",
+             f"links (measured over the ring): {measured.link_latency_s * 1000:.2f} ms, "
+             f"{measured.link_bps * 8 / 1e6:.0f} Mbit/s per hop"]
+    for d in measured.devices:
+        flops = ", ".join(f"{q} {f / 1e9:.0f}" for q, f in d.cpu_flops.items())
+        lines.append(f"  {d.name}: {d.os}/{d.backend}, {d.cpu_count} cores, CPU GFLOP/s {flops}; RAM "
+                     f"{d.mem_available_bytes / gb:.2f} of {d.mem_total_bytes / gb:.2f} GB free, read "
+                     f"{d.cpu_read_bps / gb:.1f} GB/s; disk {d.disk_seq_bps / 1e6:.0f} MB/s seq, "
+                     f"{d.disk_rand_bps / 1e6:.0f} MB/s random" + (f"; VRAM {d.vram_free_bytes / gb:.1f} GB free"
+                                                                  if d.vram_free_bytes else ""))
+    return "\n".join(lines)
 
 
 def _llama_kwargs(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from primaplug.core.errors import PrimaplugError
@@ -34,15 +34,34 @@ class LocalNode:
 
 
 class LocalNodes:
-    """N node processes on loopback; `with LocalNodes(...) as nodes:` stops and reaps them all on exit."""
+    """N node processes on loopback; `with LocalNodes(...) as nodes:` stops and reaps them all on exit.
 
-    def __init__(self, model: str | os.PathLike[str], n: int, *, log_dir: str | os.PathLike[str],
-                 extra_args: Sequence[str] = (), start_timeout_s: float = 60.0) -> None:
-        self.model, self.n = Path(model), n
+    `model` is one file for every node, or one per node (emulated devices need their own copies, or they share
+    the page cache). `node_args` adds flags per node, and `preexec` runs in each child before it starts
+    (an emulated device moves itself into its cgroup there, so that all its memory is charged to it).
+    """
+
+    def __init__(self, model: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], n: int, *,
+                 log_dir: str | os.PathLike[str], extra_args: Sequence[str] = (),
+                 node_args: Sequence[Sequence[str]] | None = None,
+                 preexec: Sequence[Callable[[], None] | None] | None = None,
+                 names: Sequence[str] | None = None, start_timeout_s: float = 60.0) -> None:
+        models = [model] * n if isinstance(model, (str, os.PathLike)) else list(model)
+        for what, seq in (("model", models), ("node_args", node_args), ("preexec", preexec), ("names", names)):
+            if seq is not None and len(seq) != n:
+                raise PrimaplugError(f"LocalNodes: {n} nodes but {len(seq)} {what} entries")
+        self.models, self.n = [Path(m) for m in models], n
         self.log_dir = Path(log_dir)
         self.extra_args = list(extra_args)
+        self.node_args = [list(a) for a in node_args] if node_args else [[] for _ in range(n)]
+        self.preexec = list(preexec) if preexec else [None] * n
+        self.names = list(names) if names else [f"node{i + 1}" for i in range(n)]
         self.start_timeout_s = start_timeout_s
         self.nodes: list[LocalNode] = []
+
+    @property
+    def model(self) -> Path:
+        return self.models[0]
 
     @property
     def addresses(self) -> list[str]:
@@ -52,12 +71,13 @@ class LocalNodes:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         procs = []
         for i in range(self.n):
-            name = f"node{i + 1}"
+            name = self.names[i]
             log_path = self.log_dir / f"{name}.log"
-            cmd = [sys.executable, "-m", "primaplug", "node", "--model", str(self.model), "--listen", "127.0.0.1:0",
-                   "--name", name, *self.extra_args]
+            cmd = [sys.executable, "-m", "primaplug", "node", "--model", str(self.models[i]), "--listen",
+                   "127.0.0.1:0", "--name", name, *self.extra_args, *self.node_args[i]]
             with open(log_path, "w") as err:
-                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+                                        preexec_fn=self.preexec[i])
             procs.append((proc, name, log_path))
         try:
             for proc, name, log_path in procs:

@@ -4,12 +4,14 @@
     llm = primaplug.Llama("gemma-3-270m.gguf", nodes=["127.0.0.1:7000", "127.0.0.1:7010"], n_ctx=2048)
     print(llm("The capital of France is", max_tokens=16)["choices"][0]["text"])
 
-This module composes the parts: a Transport, a Cluster (deploys windows to the nodes), the head's own model
-(vocabulary, its windows, the output layer), the RingHead, and the llama-cpp-python front (RingLlama).
+This module composes the parts: a Transport, a Cluster (deploys windows to the nodes), the planner (profiles
+and Halda, planning.py), the head's own model (vocabulary, its windows, the output layer), the RingHead, and the
+llama-cpp-python front (RingLlama).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
@@ -17,9 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from primaplug.coordinator import Cluster, ClusterSettings
-from primaplug.coordinator.cluster import Progress
+from primaplug.core.errors import ConfigError
+from primaplug.coordinator.cluster import Progress, Route
 from primaplug.engine import ContextSettings, Model, read_layout
 from primaplug.engine.ring_llama import RingLlama
+from primaplug.planning import PlanSettings, measure, plan_cluster
+from primaplug.scheduler import SCHEDULERS, Plan
 from primaplug.transport import Transport, load_keys
 from primaplug.wire import ModelIdentity
 
@@ -32,8 +37,14 @@ class Llama(RingLlama):
     Args:
         model_path: the GGUF file; every node must hold the same file (checked by hash).
         nodes: the nodes' control addresses, in ring order.
-        layers: layers per round for each node, then optionally for the head (default: even over the nodes).
-        rounds: how many times a token goes round the ring (each device runs one window per round).
+        layers: layers per round for each node, then optionally for the head: a manual split (no planning).
+        scheduler: without layers, how the windows are chosen: "halda" (default: profile every device, measure
+            the links, solve prima.cpp's scheduler, drop nodes that would slow the ring), the baselines "memory"
+            (layers in proportion to memory, exo's rule) or "compute" (to compute speed, Galaxy's), or "even"
+            (split evenly over the nodes, nothing measured).
+        rounds: how many times a token goes round the ring (each device runs one window per round); None: the
+            scheduler's choice (Halda's latency model always picks 1), or 1 for a manual or even split.
+        plan_settings: finer planning settings (slow-disk threshold, profile cache, re-measuring).
         keys: the cluster key file (`primaplug keygen`); required when any node is off this machine.
         listen: the address the head receives the ring's output on.
         timeout_s: how long a silent node may take before generation stops with an error naming it.
@@ -41,6 +52,8 @@ class Llama(RingLlama):
         node_gpu_layers: layers of each node window that run on the node's GPU, one number for every node or
             one per node (the first layers of each window).
         progress: called with (node, fraction, message) while the nodes load.
+        route: maps (the sending node's address or "head", endpoint) to the endpoint it connects to instead (an
+            emulated link in between).
         **kwargs: llama_cpp.Llama's own arguments (n_ctx, n_batch, n_ubatch, n_threads, seed, chat_format, ...).
     """
 
@@ -50,13 +63,16 @@ class Llama(RingLlama):
         *,
         nodes: Sequence[str],
         layers: Sequence[int] | None = None,
-        rounds: int = 1,
+        scheduler: str = "halda",
+        rounds: int | None = None,
+        plan_settings: PlanSettings | None = None,
         keys: str | os.PathLike[str] | None = None,
         listen: str = "127.0.0.1",
         timeout_s: float = 5.0,
         node_threads: int = 0,
         node_gpu_layers: int | Sequence[int] = 0,
         progress: Progress | None = None,
+        route: Route | None = None,
         **kwargs: Any,
     ) -> None:
         path = Path(model_path)
@@ -68,17 +84,27 @@ class Llama(RingLlama):
         self._transport = Transport(load_keys(keys) if keys else None)
         ident = ModelIdentity(identity=layout.identity, file_name=path.name, n_layer=layout.n_layer,
                               n_embd=layout.n_embd)
-        settings = ClusterSettings(nodes=tuple(nodes), layers=tuple(layers) if layers else None, rounds=rounds,
+        if scheduler not in (*SCHEDULERS, "even"):
+            raise ConfigError(f"unknown scheduler {scheduler!r}: choose halda, memory, compute or even")
+        planned = layers is None and scheduler != "even"
+        settings = ClusterSettings(nodes=tuple(nodes), layers=tuple(layers) if layers else None, rounds=rounds or 1,
                                    n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=node_threads,
-                                   listen=listen, timeout_s=timeout_s,
+                                   listen=listen, timeout_s=timeout_s, route=route,
                                    gpu_layers=tuple(node_gpu_layers) if isinstance(node_gpu_layers, Sequence)
                                    else (node_gpu_layers,) * len(nodes))
         self._cluster: Cluster | None = None
         self._head_model: Model | None = None
+        self.plan: Plan | None = None  # the scheduler's plan, when one was made
         try:
             self._cluster = cluster = Cluster(self._transport, settings, ident)
             cluster.connect()
-            cluster.plan()
+            if planned:
+                ps = dataclasses.replace(plan_settings or PlanSettings(), scheduler=scheduler, rounds=rounds)
+                say = (lambda what: progress("planner", 0.0, what)) if progress else (lambda _: None)
+                self.plan = plan_cluster(cluster, measure(cluster, path, layout, ps, say), ps)
+                log.info("%s", self.plan.describe())
+            else:
+                cluster.plan()
             head_windows = [r for r in cluster.head_ranges if r.n_layers]
             self._head_model = head = Model(path, head_windows, output=True, layout=layout)
             cluster.deploy(progress)

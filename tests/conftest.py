@@ -65,3 +65,18 @@ def test_model(request: pytest.FixtureRequest, model_dir: Path) -> TestModel:
     rng = np.random.default_rng(n_layer)
     prompt = tuple(int(t) for t in rng.integers(3, 512, size=100))
     return TestModel(f"{arch}-{n_layer}L-{ftype}", synthetic_path(model_dir, arch, n_layer, ftype), prompt)
+
+
+@pytest.fixture(scope="session")
+def streaming_model(model_dir: Path) -> Path:
+    """8 layers of about 3.5 MiB each (Q8_0): a few MiB of memory budget make its windows stream."""
+    from primaplug.engine.synthetic import SyntheticSpec, quantize, write_synthetic_gguf
+
+    out = model_dir / "llama-8L-512-Q8_0.gguf"
+    if not out.exists():
+        f32 = model_dir / "llama-8L-512-F32.gguf"
+        write_synthetic_gguf(f32, SyntheticSpec(arch="llama", n_layer=8, n_embd=512, n_ff=1536, n_head=8,
+                                                n_head_kv=4, seed=8))
+        quantize(f32, out, "Q8_0")
+        f32.unlink()
+    return out

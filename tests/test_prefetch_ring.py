@@ -14,27 +14,12 @@ pytestmark = pytest.mark.multiproc
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def big_model(model_dir: Path) -> Path:
-    """8 layers of about 3.5 MiB each (Q8_0), so a few MiB of budget forces streaming."""
-    from primaplug.engine.synthetic import SyntheticSpec, quantize, write_synthetic_gguf
-
-    out = model_dir / "llama-8L-512-Q8_0.gguf"
-    if not out.exists():
-        f32 = model_dir / "llama-8L-512-F32.gguf"
-        write_synthetic_gguf(f32, SyntheticSpec(arch="llama", n_layer=8, n_embd=512, n_ff=1536, n_head=8,
-                                                n_head_kv=4, seed=8))
-        quantize(f32, out, "Q8_0")
-        f32.unlink()
-    return out
-
-
 def _run(model: Path, log_dir: Path, node_args: list[str]) -> tuple[list[int], list]:
     import primaplug
     from primaplug.launch import LocalNodes
 
     with LocalNodes(model, 2, log_dir=log_dir, extra_args=node_args) as local:
-        llm = primaplug.Llama(model, nodes=local.addresses, node_threads=1, **LLAMA_KWARGS)
+        llm = primaplug.Llama(model, nodes=local.addresses, scheduler="even", node_threads=1, **LLAMA_KWARGS)
         try:
             tokens, _ = greedy_scores(llm, [3 + 5 * i for i in range(40)], 16)
             statuses = [n.status(detail=True) for n in llm.cluster.nodes]
@@ -43,19 +28,19 @@ def _run(model: Path, log_dir: Path, node_args: list[str]) -> tuple[list[int], l
     return tokens, statuses
 
 
-def test_streaming_windows_prefetch_release_and_keep_the_tokens(big_model: Path, tmp_path: Path) -> None:
+def test_streaming_windows_prefetch_release_and_keep_the_tokens(streaming_model: Path, tmp_path: Path) -> None:
     from primaplug.engine import read_layout
     from primaplug.core import LayerRange
 
-    layout = read_layout(big_model)
+    layout = read_layout(streaming_model)
     window_bytes = sum(n for _, n in layout.window_ranges(LayerRange(0, 4)))
     budget_mib = max(1, int(window_bytes * 0.6) // MiB)  # less than one window: everything streams
 
-    resident_tokens, resident = _run(big_model, tmp_path / "a", [])
+    resident_tokens, resident = _run(streaming_model, tmp_path / "a", [])
     assert all(s.memory_mode.startswith("resident") and s.bytes_released == 0 for s in resident)
 
-    off_tokens, off = _run(big_model, tmp_path / "b", ["--memory-budget", str(budget_mib), "--no-prefetch"])
-    on_tokens, on = _run(big_model, tmp_path / "c", ["--memory-budget", str(budget_mib)])
+    off_tokens, off = _run(streaming_model, tmp_path / "b", ["--memory-budget", str(budget_mib), "--no-prefetch"])
+    on_tokens, on = _run(streaming_model, tmp_path / "c", ["--memory-budget", str(budget_mib)])
     assert on_tokens == off_tokens, "prefetch must not change a token"
     for s in on:
         assert "POPULATE_READ" in s.memory_mode or "pread" in s.memory_mode

@@ -130,7 +130,7 @@ def test_killed_node_is_named_and_the_others_go_on(gemma_nodes, gemma_path: Path
     import primaplug
     from primaplug.core import NodeUnavailableError
 
-    ring = primaplug.Llama(gemma_path, nodes=gemma_nodes.addresses, timeout_s=2.0, node_threads=1,
+    ring = primaplug.Llama(gemma_path, nodes=gemma_nodes.addresses, scheduler="even", timeout_s=2.0, node_threads=1,
                            **LLAMA_KWARGS)
     prompt = ring.tokenize(b"The history of distributed computing")
     failure: list[BaseException] = []
@@ -158,7 +158,7 @@ def test_killed_node_is_named_and_the_others_go_on(gemma_nodes, gemma_path: Path
     assert victim.proc.wait(5) == -signal.SIGKILL
 
     survivors = [gemma_nodes.addresses[0], gemma_nodes.addresses[2]]
-    ring = primaplug.Llama(gemma_path, nodes=survivors, timeout_s=2.0, node_threads=1, **LLAMA_KWARGS)
+    ring = primaplug.Llama(gemma_path, nodes=survivors, scheduler="even", timeout_s=2.0, node_threads=1, **LLAMA_KWARGS)
     try:
         tokens, _ = greedy_scores(ring, prompt, 8)
     finally:
@@ -196,7 +196,7 @@ def test_curve_rejects_peers_without_the_cluster_key(gemma_path: Path, tmp_path:
             t.close()
         assert "rejected a peer" in local.nodes[0].log()
 
-        ring = primaplug.Llama(gemma_path, nodes=local.addresses, keys=key, node_threads=1, **LLAMA_KWARGS)
+        ring = primaplug.Llama(gemma_path, nodes=local.addresses, scheduler="even", keys=key, node_threads=1, **LLAMA_KWARGS)
         try:
             tokens, _ = greedy_scores(ring, ring.tokenize(b"Hello"), 4)
             assert len(tokens) == 4

@@ -32,7 +32,7 @@ def test_openai_server_streams_the_same_chat_completion(gemma_path: Path, tmp_pa
     want = expected["choices"][0]["message"]["content"]
 
     with LocalNodes(gemma_path, 2, log_dir=tmp_path) as local:
-        llm = primaplug.Llama(gemma_path, nodes=local.addresses, node_threads=1, **kwargs)
+        llm = primaplug.Llama(gemma_path, nodes=local.addresses, scheduler="even", node_threads=1, **kwargs)
         try:
             client = TestClient(create_app(llm, alias="gemma"))
             assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["gemma"]

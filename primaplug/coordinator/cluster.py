@@ -1,27 +1,39 @@
-"""Connect to the nodes, check they hold the head's model, deploy a manual split, and open the ring.
+"""Connect to the nodes, check they hold the head's model, plan the windows, deploy them, and open the ring.
 
-The ring order is the order the nodes are given in, with the head last; the head closes the ring. Window sizes
-are given per device in that order (the head's last, or left out to give the head no layers), for each round;
-by default the nodes split the layers evenly and the head runs only the output layer.
+The ring order is the order the nodes are given in, with the head last; the head closes the ring. Windows come
+from a plan (Halda or a baseline, `apply_plan`: the coordinator first collects every node's profile and measures
+the links over the ring) or from window sizes given per device in ring order (`plan`: the head's last, or left
+out to give the head no layers; by default the nodes split the layers evenly and the head runs only the output
+layer).
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from primaplug.core.errors import ConfigError, NodeError, NodeUnavailableError
+import msgspec
+import numpy as np
+
+from primaplug.core.errors import ConfigError, NodeError, NodeUnavailableError, ProtocolError
+from primaplug.core.profiles import DeviceProfile
 from primaplug.core.windows import LayerRange, even_split, ring_windows
 from primaplug.coordinator.nodes import NodeClient
 from primaplug.coordinator.ring import LocalWindow, RingHead
+from primaplug.scheduler import Plan
 from primaplug.transport import RingIn, RingOut, Transport, is_loopback, split_address
-from primaplug.wire import Assignment, ModelIdentity, WindowSpec
+from primaplug.wire import PROTOCOL_VERSION, Activation, Assignment, ModelIdentity, WindowSpec, decode_ring, encode_ring
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str, float, str], None]  # (node, fraction done, what it is doing)
+# (the sending device: a node's control address, or HEAD; the endpoint it should send to) -> the endpoint it
+# connects to instead: lets an emulated cluster put a slow link in between
+Route = Callable[[str, str], str]
+HEAD = "head"
 
 
 @dataclass(frozen=True)
@@ -37,6 +49,10 @@ class ClusterSettings:
     listen: str = "127.0.0.1"  # where the head receives the ring's output (the last node must reach it)
     timeout_s: float = 5.0  # silence after which a node counts as gone
     load_timeout_s: float = 600.0
+    route: Route | None = None
+
+    def link(self, sender: str, endpoint: str) -> str:
+        return self.route(sender, endpoint) if self.route else endpoint
 
 
 class Cluster:
@@ -58,6 +74,7 @@ class Cluster:
         self.epoch = int(time.time() * 1000)
         self.head_ranges: list[LayerRange] = []
         self.node_ranges: list[list[LayerRange]] = []
+        self.node_gpu: list[int] = []  # per node: layers of each of its windows on its GPU
         self._outs: list[RingOut] = []
 
     def connect(self) -> None:
@@ -86,18 +103,100 @@ class Cluster:
                               f"head; got {len(sizes)}")
         per_device = ring_windows(sizes, s.rounds, n_layer)
         self.node_ranges, self.head_ranges = per_device[:-1], per_device[-1]
+        gpu = list(s.gpu_layers or ())
+        self.node_gpu = [gpu[i] if i < len(gpu) else 0 for i in range(len(self.nodes))]
+
+    # --- planning from measurements --------------------------------------------------------------------------
+
+    def profiles(self, progress: Progress | None = None, force: bool = False) -> list[DeviceProfile]:
+        """Every node's DeviceProfile for the model, one node after the other (nodes on one machine would
+        otherwise slow each other's measurements). Nodes drop windows a previous head left them first."""
+        out = []
+        for n in self.nodes:
+            n.unload()
+            report = (lambda what, n=n: progress(str(n), 0.0, what)) if progress else None
+            p = n.profile(self.model.identity, force=force, progress=report)
+            out.append(msgspec.structs.replace(p, name=n.name))
+        names = [p.name for p in out]
+        if len(set(names)) < len(names):  # two nodes of one name: tell them apart by address
+            out = [msgspec.structs.replace(p, name=f"{p.name}@{n.address}") for p, n in zip(out, self.nodes)]
+        return out
+
+    def measure_links(self, rows: int = 64, repeats: int = 7) -> tuple[float, float]:
+        """(latency in s, bandwidth in bytes/s) of one hop, measured over the ring itself: every node relays
+        probes of 1 and of `rows` hidden rows round the ring, len(nodes) + 1 hops a trip; each hop gets the
+        mean (which includes a node's decode, check and send)."""
+        s, epoch = self.settings, self.epoch - 1
+        for i, n in enumerate(self.nodes):
+            n.load(Assignment(epoch=epoch, model=self.model, windows=(WindowSpec(0, 0),), successor=self._successor(i),
+                              n_ctx=max(rows, 1), n_batch=max(rows, 1), n_ubatch=max(rows, 1)))
+        self._wait_loaded(epoch, None)
+        out = self.transport.ring_out(s.link(HEAD, self._ring_endpoint(0)))
+        try:
+            times = {}
+            for n_rows in (1, rows):
+                data = np.zeros((n_rows, self.model.n_embd), np.float32)
+                trips = []
+                for step in range(repeats):
+                    msg = Activation(proto=PROTOCOL_VERSION, epoch=epoch, step=step, round=0, seq_id=0, pos0=0,
+                                     n_rows=n_rows, width=self.model.n_embd, dtype="float32", all_rows=True)
+                    t0 = time.perf_counter()
+                    if not out.send(encode_ring(msg, data), s.timeout_s):
+                        raise NodeUnavailableError(self.nodes[0].name, f"node {self.nodes[0]} took no link probe")
+                    got = self.ring_in.recv(s.timeout_s)
+                    if got is None:
+                        raise NodeUnavailableError(self.nodes[-1].name, "a link probe did not come back round the "
+                                                   f"ring within {s.timeout_s:.1f} s")
+                    back, _ = decode_ring(got)
+                    if not isinstance(back, Activation) or back.step != step:
+                        raise ProtocolError(f"a link probe came back as {back!r}")
+                    trips.append(time.perf_counter() - t0)
+                times[n_rows] = statistics.median(trips[1:])  # the first trip connects
+        finally:
+            out.close()
+            for n in self.nodes:
+                n.unload()
+        hops = len(self.nodes) + 1
+        extra = times[rows] - times[1]
+        bps = hops * (rows - 1) * 4 * self.model.n_embd / extra if extra > 0 else 0.0
+        return times[1] / hops, bps
+
+    def apply_plan(self, plan: Plan, names: Sequence[str]) -> None:
+        """Take the windows of a plan whose devices are the head and then the nodes (`names[i]` is node i's
+        name in the plan); nodes the plan dropped leave the ring."""
+        keep = [(n, plan.device(name)) for n, name in zip(self.nodes, names)
+                if any(d.name == name for d in plan.devices)]
+        for n in self.nodes:
+            if all(n is not k for k, _ in keep):
+                n.close()
+        self.nodes = [n for n, _ in keep]
+        self.node_ranges = [list(d.windows) for _, d in keep]
+        self.node_gpu = [d.n for _, d in keep]
+        self.head_ranges = list(plan.head.windows)
+
+    # --- deploying -------------------------------------------------------------------------------------------
+
+    def _ring_endpoint(self, i: int) -> str:
+        welcome = self.nodes[i].welcome
+        assert welcome is not None
+        return welcome.ring_endpoint
+
+    def _successor(self, i: int) -> str:
+        """Where node i sends its output: the next node, or the head after the last."""
+        nxt = self._ring_endpoint(i + 1) if i + 1 < len(self.nodes) else self.ring_in.address
+        return self.settings.link(self.nodes[i].address, nxt)
 
     def deploy(self, progress: Progress | None = None) -> None:
         """Send every node its assignment and wait until all have loaded."""
         s = self.settings
-        gpu = list(s.gpu_layers or [0] * len(self.nodes))
         for i, n in enumerate(self.nodes):
-            assert n.welcome is not None
-            successor = self.nodes[i + 1].welcome.ring_endpoint if i + 1 < len(self.nodes) else self.ring_in.address  # type: ignore[union-attr]
-            windows = tuple(WindowSpec(r.start, r.end, min(gpu[i] if i < len(gpu) else 0, r.n_layers))
-                            for r in self.node_ranges[i])
-            n.load(Assignment(epoch=self.epoch, model=self.model, windows=windows, successor=successor,
+            windows = tuple(WindowSpec(r.start, r.end, min(self.node_gpu[i], r.n_layers)) for r in self.node_ranges[i])
+            n.load(Assignment(epoch=self.epoch, model=self.model, windows=windows, successor=self._successor(i),
                               n_ctx=s.n_ctx, n_batch=s.n_batch, n_ubatch=s.n_ubatch, n_threads=s.n_threads))
+        self._wait_loaded(self.epoch, progress)
+
+    def _wait_loaded(self, epoch: int, progress: Progress | None) -> None:
+        s = self.settings
         deadline = time.monotonic() + s.load_timeout_s
         pending = list(self.nodes)
         while pending:
@@ -105,7 +204,7 @@ class Cluster:
                 st = n.status()
                 if progress:
                     progress(str(n), st.progress, st.message)
-                if st.state == "ready" and st.epoch == self.epoch:
+                if st.state == "ready" and st.epoch == epoch:
                     pending.remove(n)
                 elif st.state == "failed":
                     raise NodeError(str(n), "load_failed", f"could not load its windows: {st.message}")
@@ -116,11 +215,12 @@ class Cluster:
                 time.sleep(0.05)
 
     def ring(self, head_windows: Sequence[LocalWindow | None]) -> RingHead:
-        """The ring, closed by the head, with the head's own windows (one per round, None where it has none)."""
-        first = self.nodes[0].welcome
-        assert first is not None
-        out = self.transport.ring_out(first.ring_endpoint)
-        self._outs.append(out)
+        """The ring, closed by the head, with the head's own windows (one per round, None where it has none).
+        Without nodes (a plan that found the head fastest alone) the head runs every window itself."""
+        out = None
+        if self.nodes:
+            out = self.transport.ring_out(self.settings.link(HEAD, self._ring_endpoint(0)))
+            self._outs.append(out)
         return RingHead(self.nodes, self.ring_in, out, self.epoch, head_windows, self.model.n_layer,
                         self.model.n_embd, self.settings.timeout_s)
 

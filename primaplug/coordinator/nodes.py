@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 from primaplug import __version__
 from primaplug.core.errors import NodeError, NodeUnavailableError, ProtocolError
+from primaplug.core.profiles import DeviceProfile
 from primaplug.transport import ControlClient, Transport, endpoint, split_address
 from primaplug.wire import (
     PROTOCOL_VERSION,
@@ -13,9 +16,11 @@ from primaplug.wire import (
     ControlReply,
     ControlRequest,
     ErrorReply,
+    GetProfile,
     GetStatus,
     Hello,
     LoadAssignment,
+    ProfileReply,
     Shutdown,
     Status,
     Unload,
@@ -73,6 +78,23 @@ class NodeClient:
     def status(self, detail: bool = False) -> Status:
         """The node's state; with detail, also its memory measurements (prefetch, faults, residency, pressure)."""
         return self._status_reply(GetStatus(detail=detail))
+
+    def profile(self, model: str, *, force: bool = False, timeout_s: float = 600.0,
+                progress: Callable[[str], None] | None = None) -> DeviceProfile:
+        """The node's DeviceProfile for the model of that identity, waiting while the node measures itself."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reply = self._ask(GetProfile(model=model, force=force))
+            if not isinstance(reply, ProfileReply):
+                raise ProtocolError(f"node {self} answered GetProfile with {type(reply).__name__}")
+            if reply.profile is not None:
+                return reply.profile
+            force = False  # the measurement has started; asking again with force would restart it
+            if progress:
+                progress(reply.message)
+            if time.monotonic() > deadline:
+                raise NodeUnavailableError(self.name, f"node {self} did not finish profiling within {timeout_s:.0f} s")
+            time.sleep(0.2)
 
     def unload(self) -> Status:
         return self._status_reply(Unload())

@@ -54,7 +54,7 @@ class LocalWindow(Protocol):
 
 
 class RingHead:
-    def __init__(self, nodes: Sequence[NodeClient], ring_in: RingIn, ring_out: RingOut, epoch: int,
+    def __init__(self, nodes: Sequence[NodeClient], ring_in: RingIn, ring_out: RingOut | None, epoch: int,
                  head_windows: Sequence[LocalWindow | None], n_layer: int, n_embd: int,
                  timeout_s: float = 5.0) -> None:
         self.nodes = list(nodes)
@@ -105,6 +105,8 @@ class RingHead:
 
     def _round_trip(self, msg: RingMessage, rows: np.ndarray | None,
                     what: str) -> tuple[RingMessage, np.ndarray | None]:
+        if self.ring_out is None:  # no nodes: the head runs every window
+            return msg, rows
         if not self.ring_out.send(encode_ring(msg, rows), self.timeout_s):
             raise NodeUnavailableError(self.nodes[0].name, f"node {self.nodes[0]} did not take step {msg.step} "
                                        f"({what}) within {self.timeout_s:.1f} s")

@@ -62,3 +62,17 @@ class NodeUnavailableError(PrimaplugError):
 
 class ConfigError(PrimaplugError):
     """The settings given cannot work (a missing key file, an address that needs keys, ...)."""
+
+
+class PlacementInfeasibleError(PrimaplugError):
+    """No plan places the model on the devices: it does not fit even with disk offload, or no window size works.
+
+    `shortfall_bytes` is how much more memory (RAM or VRAM, without spilling to a slow disk) the devices would
+    need, 0 when memory is not what is short; `reason` says what is short in words.
+    """
+
+    def __init__(self, reason: str, *, shortfall_bytes: int = 0, advice: str = "") -> None:
+        self.reason = reason
+        self.shortfall_bytes = shortfall_bytes
+        self.advice = advice
+        super().__init__(f"cannot place the model: {reason}" + (f"; {advice}" if advice else ""))

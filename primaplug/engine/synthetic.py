@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,21 +55,57 @@ def _vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
     return tokens[:n_vocab], scores[:n_vocab], types[:n_vocab]
 
 
-def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec) -> Path:
-    """Write an F32 GGUF with random weights for spec.arch ("llama", "qwen2" or "qwen3")."""
+def _tensors(spec: SyntheticSpec, rng: np.random.Generator) -> Iterator[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
+    """Every tensor of the model in file order: name, shape (rows, cols) and a maker that draws its values.
+    Makers must be called in this order: they share one random generator, so the same seed gives the same model."""
+    e, hd = spec.n_embd, spec.n_embd // spec.n_head
+    q_dim, kv_dim = spec.n_head * hd, spec.n_head_kv * hd
+
+    def mat(rows: int, cols: int, scale: float = 1.0) -> Callable[[], np.ndarray]:
+        return lambda: (scale * rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
+    def norm(n: int) -> Callable[[], np.ndarray]:
+        return lambda: (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    def bias(n: int) -> Callable[[], np.ndarray]:
+        return lambda: (0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    # scaled up so that logits spread widely and greedy choices are far from ties
+    yield "token_embd.weight", (spec.n_vocab, e), lambda: rng.standard_normal((spec.n_vocab, e)).astype(np.float32)
+    for il in range(spec.n_layer):
+        p = f"blk.{il}."
+        yield p + "attn_norm.weight", (e,), norm(e)
+        yield p + "attn_q.weight", (q_dim, e), mat(q_dim, e)
+        yield p + "attn_k.weight", (kv_dim, e), mat(kv_dim, e)
+        yield p + "attn_v.weight", (kv_dim, e), mat(kv_dim, e)
+        if spec.arch == "qwen2":
+            for name, n in (("attn_q.bias", q_dim), ("attn_k.bias", kv_dim), ("attn_v.bias", kv_dim)):
+                yield p + name, (n,), bias(n)
+        if spec.arch == "qwen3":
+            yield p + "attn_q_norm.weight", (hd,), norm(hd)
+            yield p + "attn_k_norm.weight", (hd,), norm(hd)
+        yield p + "attn_output.weight", (e, q_dim), mat(e, q_dim)
+        yield p + "ffn_norm.weight", (e,), norm(e)
+        yield p + "ffn_gate.weight", (spec.n_ff, e), mat(spec.n_ff, e)
+        yield p + "ffn_up.weight", (spec.n_ff, e), mat(spec.n_ff, e)
+        yield p + "ffn_down.weight", (e, spec.n_ff), mat(e, spec.n_ff)
+    yield "output_norm.weight", (e,), norm(e)
+    yield "output.weight", (spec.n_vocab, e), mat(spec.n_vocab, e, 4.0)
+
+
+def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, dtype: str = "F32",
+                         progress: Callable[[int, int], None] | None = None) -> Path:
+    """Write a GGUF with random weights for spec.arch ("llama", "qwen2" or "qwen3"), matrices in `dtype` ("F32"
+    or "F16"; norms and biases stay F32). Tensors are drawn and written one at a time, so models larger than
+    memory can be written; `progress(done, total)` is called with bytes after each tensor."""
     if spec.arch not in ARCHS:
         raise ModelFormatError(str(path), f"no synthetic writer for architecture '{spec.arch}' (have {ARCHS})")
     if spec.n_vocab < 260:
         raise ModelFormatError(str(path), "a synthetic vocabulary needs at least 260 tokens (3 special + 256 bytes)")
+    if dtype not in ("F32", "F16"):
+        raise ValueError(f"synthetic matrices are written as F32 or F16, not {dtype}")
     rng = np.random.default_rng(spec.seed)
     e, hd = spec.n_embd, spec.n_embd // spec.n_head
-    q_dim, kv_dim = spec.n_head * hd, spec.n_head_kv * hd
-
-    def mat(rows: int, cols: int) -> np.ndarray:
-        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
-
-    def norm(n: int) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
     w = GGUFWriter(os.fspath(path), spec.arch)
     w.add_name(f"synthetic-{spec.arch}-{spec.n_layer}L")
@@ -82,7 +119,7 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec) -> P
     w.add_value_length(hd)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
-    w.add_file_type(FTYPES["F32"])
+    w.add_file_type(FTYPES[dtype])
     tokens, scores, types = _vocab(spec.n_vocab)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
@@ -92,33 +129,62 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec) -> P
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
 
-    # scaled up so that logits spread widely and greedy choices are far from ties
-    w.add_tensor("token_embd.weight", (rng.standard_normal((spec.n_vocab, e))).astype(np.float32))
-    for il in range(spec.n_layer):
-        p = f"blk.{il}."
-        w.add_tensor(p + "attn_norm.weight", norm(e))
-        w.add_tensor(p + "attn_q.weight", mat(q_dim, e))
-        w.add_tensor(p + "attn_k.weight", mat(kv_dim, e))
-        w.add_tensor(p + "attn_v.weight", mat(kv_dim, e))
-        if spec.arch == "qwen2":
-            for name, n in (("attn_q.bias", q_dim), ("attn_k.bias", kv_dim), ("attn_v.bias", kv_dim)):
-                w.add_tensor(p + name, (0.1 * rng.standard_normal(n)).astype(np.float32))
-        if spec.arch == "qwen3":
-            w.add_tensor(p + "attn_q_norm.weight", norm(hd))
-            w.add_tensor(p + "attn_k_norm.weight", norm(hd))
-        w.add_tensor(p + "attn_output.weight", mat(e, q_dim))
-        w.add_tensor(p + "ffn_norm.weight", norm(e))
-        w.add_tensor(p + "ffn_gate.weight", mat(spec.n_ff, e))
-        w.add_tensor(p + "ffn_up.weight", mat(spec.n_ff, e))
-        w.add_tensor(p + "ffn_down.weight", mat(e, spec.n_ff))
-    w.add_tensor("output_norm.weight", norm(e))
-    w.add_tensor("output.weight", 4.0 * mat(spec.n_vocab, e))
+    def np_dtype(shape: tuple[int, ...]) -> type:
+        return np.float16 if dtype == "F16" and len(shape) == 2 else np.float32
 
+    tensors = list(_tensors(spec, rng))
+    total = 0
+    for name, shape, _ in tensors:
+        nbytes = int(np.prod(shape)) * np.dtype(np_dtype(shape)).itemsize
+        w.add_tensor_info(name, shape, np.dtype(np_dtype(shape)), nbytes)
+        total += nbytes
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    done = 0
+    for _, shape, make in tensors:
+        data = make().astype(np_dtype(shape), copy=False)
+        w.write_tensor_data(data)
+        done += data.nbytes
+        if progress:
+            progress(done, total)
     w.close()
     return Path(path)
+
+
+def spec_for_size(size_bytes: int, n_layer: int, *, ftype: str = "Q4_K_M", n_vocab: int = 4096,
+                  seed: int = 0) -> SyntheticSpec:
+    """A llama-architecture shape whose `ftype` file is about `size_bytes`: Llama-3-like proportions (head dim
+    128, FFN 3.5x the embedding, a quarter as many KV heads), the embedding a multiple of 256 for k-quants."""
+    bits = {"Q4_K_M": 4.85, "Q4_K_S": 4.6, "Q5_K_M": 5.7, "Q6_K": 6.6, "Q8_0": 8.5, "F16": 16, "F32": 32}[ftype]
+    # per layer: q and o (e^2 each), k and v (e^2/4 each), gate, up and down (3 x 3.5 e^2) = 12.75 e^2 weights
+    per_layer_weights = size_bytes * 8 / bits / n_layer
+    e = max(256, int(round((per_layer_weights / 12.75) ** 0.5 / 256)) * 256)
+    n_head = e // 128 if e >= 512 else 4
+    n_head_kv = max(d for d in range(1, n_head + 1) if n_head % d == 0 and d <= max(1, n_head // 4))
+    n_ff = int(round(3.5 * e / 256)) * 256
+    return SyntheticSpec(arch="llama", n_layer=n_layer, n_embd=e, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
+                         n_vocab=n_vocab, seed=seed)
+
+
+def write_sized_model(path: str | os.PathLike[str], size_bytes: int, n_layer: int, *, ftype: str = "Q4_K_M",
+                      seed: int = 0, progress: Callable[[str, int, int], None] | None = None) -> Path:
+    """A llama-architecture GGUF of about `size_bytes` with `n_layer` layers, quantized by llama.cpp to `ftype`.
+    The F16 original is written beside `path` (about 16/bits as large) and deleted afterwards."""
+    spec = spec_for_size(size_bytes, n_layer, ftype=ftype, seed=seed)
+    out = Path(path)
+    tmp = out.with_name(out.name + ".f16.tmp")
+    try:
+        write_synthetic_gguf(tmp, spec, dtype="F16",
+                             progress=(lambda d, t: progress("writing F16", d, t)) if progress else None)
+        if progress:
+            progress(f"quantizing to {ftype} (llama.cpp)", 0, 1)
+        quantize(tmp, out, ftype)
+        if progress:
+            progress(f"quantizing to {ftype} (llama.cpp)", 1, 1)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
 
 
 def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], ftype: str, n_threads: int = 0) -> Path:

@@ -24,6 +24,7 @@ from primaplug.core.errors import ConfigError, PrimaplugError, ProtocolError
 from primaplug.engine import ModelLayout, read_layout
 from primaplug.memory.system import memory_view
 from primaplug.node.deployment import Deployment, MemorySettings
+from primaplug.node.profiling import Profiling
 from primaplug.transport import RingIn, Transport, is_loopback
 from primaplug.wire import (
     PROTOCOL_VERSION,
@@ -31,11 +32,13 @@ from primaplug.wire import (
     Assignment,
     DeviceFacts,
     ErrorReply,
+    GetProfile,
     GetStatus,
     Hello,
     KvOp,
     LoadAssignment,
     ModelIdentity,
+    ProfileReply,
     RingError,
     Shutdown,
     Status,
@@ -59,6 +62,7 @@ class NodeSettings:
     secure: bool = False  # whether the transport was given the cluster keys
     send_timeout_s: float = 5.0  # how long a ring send waits for a successor before giving up
     memory: MemorySettings = MemorySettings()
+    profile_dir: Path | None = None  # where the device profile is cached (default ~/.cache/primaplug/profiles)
 
     def check(self) -> None:
         if not self.models:
@@ -97,6 +101,7 @@ class Node:
         self._steps_done = 0
         self._loader: threading.Thread | None = None
         self._used_at_start = memory_view().used_bytes  # memory pressure counts from here
+        self._profiling = Profiling(self.name, settings.profile_dir)
 
     # --- main loop -----------------------------------------------------------------------------------------
 
@@ -138,7 +143,7 @@ class Node:
         log.warning("control request refused (%s): %s", code, message)
         return ErrorReply(node=self.name, code=code, message=message, retryable=retryable)
 
-    def _handle_control(self, body: bytes) -> Welcome | Status | ErrorReply:
+    def _handle_control(self, body: bytes) -> Welcome | Status | ProfileReply | ErrorReply:
         try:
             req = decode_request(body)
         except ProtocolError as e:
@@ -155,6 +160,8 @@ class Node:
                     return self._load(req.assignment)
                 case GetStatus():
                     return self.status(detail=req.detail)
+                case GetProfile():
+                    return self._profile(req)
                 case Unload():
                     with self._lock:
                         self._drop_deployment()
@@ -189,8 +196,20 @@ class Node:
             status = msgspec.structs.replace(
                 status, memory_mode=p.mode, bytes_prefetched=p.stats.bytes_prefetched,
                 bytes_released=p.stats.bytes_released, major_faults_per_token=p.stats.major_faults_per_token,
-                resident_bytes=p.resident_bytes(), memory_pressure=pressure)
+                resident_bytes=p.resident_bytes(), memory_pressure=pressure,
+                memory_budget_bytes=p.plan.budget_bytes)
         return status
+
+    def _profile(self, req: GetProfile) -> ProfileReply | ErrorReply:
+        if req.model not in self._models:
+            held = ", ".join(f"{m.file_name} ({m.identity})" for _, _, m in self._models.values())
+            return self._error("wrong_model", f"asked to profile for model {req.model}; this node holds {held}")
+        if self._deployment is not None:
+            return self._error("busy", "this node has windows loaded, which would skew its free memory: "
+                               "unload them before profiling")
+        path, layout, _ = self._models[req.model]
+        profile, message = self._profiling.ask(path, layout, force=req.force)
+        return ProfileReply(node=self.name, profile=profile, message=message)
 
     def _load(self, a: Assignment) -> Status | ErrorReply:
         if a.model.identity not in self._models:

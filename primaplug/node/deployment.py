@@ -15,6 +15,7 @@ from primaplug.engine import ContextSettings, Model, ModelLayout, Window
 from primaplug.memory.policy import plan_prefetch
 from primaplug.memory.prefetcher import Prefetcher, Switches
 from primaplug.memory.system import MemoryView, memory_view
+from primaplug.profiler.model import compute_buffer_layers_bytes
 from primaplug.transport import RingOut, Transport
 from primaplug.wire import Activation, Assignment, KvOp, window_output
 
@@ -27,14 +28,18 @@ class MemorySettings:
     switches: Switches = Switches()
 
 
-COMPUTE_BUFFER_BYTES = 64 << 20  # llama.cpp's compute buffers for one context, a generous estimate
 MARGIN = 0.05  # of total memory, left to the OS and the apps people use
+
+
+def reserved_bytes(layout: ModelLayout, a: Assignment, windows: list[LayerRange]) -> int:
+    """What a node's windows need besides weights: their KV cache and one llama.cpp compute buffer each."""
+    kv = sum(layout.kv_bytes_per_token(il) * a.n_ctx for w in windows for il in range(w.start, w.end))
+    return kv + len(windows) * compute_buffer_layers_bytes(layout, a.n_ctx, a.n_batch, a.n_ubatch)
 
 
 def weights_budget(layout: ModelLayout, a: Assignment, windows: list[LayerRange], view: MemoryView) -> int:
     """Available memory, less this node's KV cache, compute buffers and a margin: what its weights may use."""
-    kv = sum(layout.kv_bytes_per_token(il) * a.n_ctx for w in windows for il in range(w.start, w.end))
-    return view.available_bytes - kv - COMPUTE_BUFFER_BYTES * len(windows) - int(MARGIN * view.total_bytes)
+    return view.available_bytes - reserved_bytes(layout, a, windows) - int(MARGIN * view.total_bytes)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import Literal
 import msgspec
 
 from primaplug.core.errors import ProtocolError
+from primaplug.core.profiles import DeviceProfile
 
 PROTOCOL_VERSION = 1
 
@@ -80,6 +81,15 @@ class GetStatus(_Msg, tag="status"):
     detail: bool = False
 
 
+class GetProfile(_Msg, tag="profile"):
+    """Asks for the node's DeviceProfile for one of its models (compute is timed for that model's quantization
+    types). Measuring runs in the background (seconds; cached on the device afterwards): until it is done the
+    reply carries no profile and says what is being measured, and the head asks again. Reply: ProfileReply."""
+
+    model: str  # ModelIdentity.identity
+    force: bool = False  # measure again even when the device has a cached profile
+
+
 class Unload(_Msg, tag="unload"):
     """Frees the node's windows; it keeps serving. Reply: Status (state "idle")."""
 
@@ -88,7 +98,7 @@ class Shutdown(_Msg, tag="shutdown"):
     """Stops the node process. Reply: Status, then the node exits."""
 
 
-ControlRequest = Hello | LoadAssignment | GetStatus | Unload | Shutdown
+ControlRequest = Hello | LoadAssignment | GetStatus | GetProfile | Unload | Shutdown
 
 
 # --- replies --------------------------------------------------------------------------------------------------
@@ -121,6 +131,13 @@ class Status(_Msg, tag="status_reply"):
     major_faults_per_token: float = 0.0  # during compute, the prefetcher's own faults left out
     resident_bytes: int = 0  # of the node's windows, by mincore
     memory_pressure: float = 0.0  # drop in available memory since the node started, over total (cgroup) memory
+    memory_budget_bytes: int = 0  # what the node's windows' weights may use (computed at load, or --memory-budget)
+
+
+class ProfileReply(_Msg, tag="profile_reply"):
+    node: str
+    profile: DeviceProfile | None = None  # None while it is being measured
+    message: str = ""  # what is being measured
 
 
 class ErrorReply(_Msg, tag="error"):
@@ -130,7 +147,7 @@ class ErrorReply(_Msg, tag="error"):
     retryable: bool = False
 
 
-ControlReply = Welcome | Status | ErrorReply
+ControlReply = Welcome | Status | ProfileReply | ErrorReply
 
 _enc = msgspec.msgpack.Encoder()
 _req_dec = msgspec.msgpack.Decoder(ControlRequest)

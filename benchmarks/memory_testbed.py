@@ -1,0 +1,240 @@
+#!/usr/bin/env python3
+"""Prefetch and release on an emulated home cluster (needs root: cgroups and dropping the page cache).
+
+    sudo .venv/bin/python benchmarks/memory_testbed.py [--devices paper-d1-d4/24] [--size 1800M] [--tokens 4]
+
+Four emulated devices (the prima.cpp paper's D1-D4, memory and disk speed divided by the same factor), each a
+real `primaplug node` in its own cgroup (memory cap, disk read cap) with its own copy of a synthetic llama model
+at least 1.5x the sum of the caps, joined by emulated Wi-Fi links (3-7 ms). In one run:
+- plain llama-cpp-python on one device capped like the largest node (the paper's llama.cpp baseline);
+- the ring with k = 1 and with the best k >= 2, each with prefetch and release, without prefetch, without
+  release, and without both; windows sized by hand (memory first, the rest by disk speed), the head holding
+  the output layer;
+- on a smaller model that fits the caps: the ring with the memory policy on and with every part of it off.
+TTFT, TPOT, per-node major faults per token and memory pressure for each; the ratios the targets name.
+Writes benchmarks/results/memory_testbed.json and memory_testbed.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.testbed.cgroups import CgroupUnavailable  # noqa: E402
+from benchmarks.testbed.cluster import Terminated, Testbed, unwind_on_sigterm  # noqa: E402
+from benchmarks.testbed.devices import Device, load_devices  # noqa: E402
+from benchmarks.testbed.plain import run_capped  # noqa: E402
+from benchmarks.testbed.timing import time_greedy  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+CACHE = Path.home() / ".cache" / "primaplug" / "bench"
+VARIANTS = {"prefetch+release": [], "no prefetch": ["--no-prefetch"], "no release": ["--no-release"],
+            "neither": ["--no-prefetch", "--no-release"]}
+ALL_OFF = ["--no-prefetch", "--no-release", "--no-keep"]
+
+
+def memory_then_disk(devices: list[Device], layer_bytes: float, per_round: int, rounds: int) -> list[int]:
+    """Hand-made windows (Halda, issue 5, chooses them properly): each device first gets the layers its memory
+    holds, the rest go in proportion to disk speed, so that the devices' streaming takes about equally long."""
+    fit = [0.8 * d.memory_mib * (1 << 20) / layer_bytes / rounds for d in devices]
+    rest = max(0.0, per_round - sum(fit))
+    speed = sum(d.disk_mbps for d in devices)
+    return proportional([f + rest * d.disk_mbps / speed for f, d in zip(fit, devices)], per_round)
+
+
+def proportional(weights: list[float], total: int) -> list[int]:
+    """`total` layers split in proportion to `weights`, at least one each (largest remainders)."""
+    raw = [total * w / sum(weights) for w in weights]
+    out = [max(1, int(r)) for r in raw]
+    order = sorted(range(len(raw)), key=lambda i: raw[i] - int(raw[i]), reverse=True)
+    i = 0
+    while sum(out) < total:
+        out[order[i % len(out)]] += 1
+        i += 1
+    while sum(out) > total:
+        j = max((j for j in range(len(out)) if out[j] > 1), key=lambda j: out[j] - raw[j])
+        out[j] -= 1
+    return out
+
+
+def model_file(size: str, layers: int) -> Path:
+    from primaplug.cli import _byte_size
+    from primaplug.engine.synthetic import write_sized_model
+
+    path = CACHE / f"llama-{layers}L-{size}-Q4_K_M.gguf"
+    if not path.exists():
+        print(f"writing {path.name} (once; primaplug synth)", file=sys.stderr)
+        CACHE.mkdir(parents=True, exist_ok=True)
+        write_sized_model(path, _byte_size(size), layers)
+    return path
+
+
+def ring_run(devices: list[Device], model: Path, work: Path, *, rounds: int, flags: list[str], tokens: int,
+             prompt: int, threads: int) -> dict[str, Any]:
+    import primaplug
+    from primaplug.engine import read_layout
+
+    layout = read_layout(model)
+    layer_bytes = sum(layout.layer_bytes(il) for il in range(layout.n_layer)) / layout.n_layer
+    sizes = memory_then_disk(devices, layer_bytes, layout.n_layer // rounds, rounds)
+    with Testbed(devices, model, work, node_args=flags) as tb:
+        t0 = time.perf_counter()
+        llm = primaplug.Llama(model, nodes=tb.addresses, route=tb.route, layers=[*sizes, 0], rounds=rounds,
+                              n_ctx=512, n_batch=64, n_ubatch=16, n_threads=threads, node_threads=threads,
+                              timeout_s=120, logits_all=True, verbose=False)
+        deployed = time.perf_counter() - t0
+        try:
+            timed = time_greedy(llm, prompt, tokens)
+            statuses = [n.status(detail=True) for n in llm.cluster.nodes]
+        finally:
+            llm.close()
+        peaks = tb.peak_memory_bytes()
+    return {
+        "rounds": rounds, "layers_per_round": sizes, "flags": flags, "deploy_s": round(deployed, 2), **timed,
+        "nodes": [{"name": d.name, "memory_mode": s.memory_mode, "major_faults_per_token": round(s.major_faults_per_token, 1),
+                   "memory_pressure": round(s.memory_pressure, 4), "bytes_prefetched": s.bytes_prefetched,
+                   "bytes_released": s.bytes_released, "resident_bytes": s.resident_bytes,
+                   "cap_bytes": d.cap_bytes, "peak_bytes": p} for d, s, p in zip(devices, statuses, peaks)],
+    }
+
+
+def _line(name: str, r: dict[str, Any]) -> None:
+    nodes = " ".join(f"{n['major_faults_per_token']:.0f}f/{n['memory_pressure']:.1%}" for n in r.get("nodes", []))
+    print(f"  {name:<34} TTFT {r['ttft_s']:7.2f} s  TPOT {r['tpot_s']:7.2f} s  {nodes}", file=sys.stderr)
+
+
+def chart(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["runs"]
+    names = list(runs)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.5))
+    ax1.barh(names, [runs[n]["tpot_s"] for n in names], color=["#888" if n.startswith("plain") else "#3b7dd8"
+                                                                for n in names])
+    ax1.set_xlabel("time per output token (s), lower is better")
+    ax1.invert_yaxis()
+    ax1.set_title(f"{results['model']['name']} ({results['model']['gb']:.2f} GB) on {len(results['devices'])} "
+                  "emulated devices")
+    ring = [n for n in names if "nodes" in runs[n]]
+    devs = [d["name"] for d in results["devices"]]
+    width = 0.8 / len(devs)
+    for j, d in enumerate(devs):
+        ax2.barh([i + j * width for i in range(len(ring))], [runs[n]["nodes"][j]["memory_pressure"] * 100 for n in ring],
+                 height=width, label=d)
+    ax2.set_yticks([i + 0.4 - width / 2 for i in range(len(ring))], ring)
+    ax2.invert_yaxis()
+    ax2.axvline(6, color="red", linestyle="--", linewidth=1, label="6% target")
+    ax2.set_xlabel("memory pressure per node (%)")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--devices", default="paper-d1-d4/24", help="device file or preset[/scale] (default paper-d1-d4/24)")
+    ap.add_argument("--size", default="1800M", help="synthetic model size (default 1800M)")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--fit-size", default="300M", help="the model that fits the caps (default 300M)")
+    ap.add_argument("--tokens", type=int, default=4, help="decoded tokens per run (default 4)")
+    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens (default 16)")
+    ap.add_argument("--rounds", default="2,4,8", help="k >= 2 to try (default 2,4,8)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--fit-trials", type=int, default=3)
+    ap.add_argument("--workdir", default=str(CACHE / "testbed"), help="model copies and node logs")
+    a = ap.parse_args()
+
+    unwind_on_sigterm()
+    devices = load_devices(a.devices)
+    model, small = model_file(a.size, a.layers), model_file(a.fit_size, 16)
+    caps = sum(d.cap_bytes for d in devices)
+    print(f"{model.name}: {model.stat().st_size / 1e9:.2f} GB = {model.stat().st_size / caps:.2f}x the caps' "
+          f"{caps / 1e9:.2f} GB", file=sys.stderr)
+    work = Path(a.workdir)
+    kw = dict(tokens=a.tokens, prompt=a.prompt, threads=a.threads)
+    runs: dict[str, Any] = {}
+    try:
+        largest = max(devices, key=lambda d: d.memory_mib)
+        repacked = run_capped(largest, model, work / "plain", tokens=1, threads=a.threads, n_ctx=512, prompt=a.prompt,
+                              repack=True)
+        print(f"  plain llama-cpp-python as it ships (repacking weights) on {largest.name}: "
+              f"{'killed: out of memory' if repacked.get('killed') else 'ran'}", file=sys.stderr)
+        runs[f"plain llama-cpp-python on {largest.name}"] = r = run_capped(
+            largest, model, work / "plain", tokens=a.tokens, threads=a.threads, n_ctx=512, prompt=a.prompt)
+        if r.get("killed"):
+            raise SystemExit("plain llama-cpp-python without repacking was killed too: the cap is too small")
+        _line(f"plain on {largest.name}", r)
+        for name, flags in VARIANTS.items():
+            runs[f"k=1 {name}"] = r = ring_run(devices, model, work, rounds=1, flags=flags, **kw)
+            _line(f"k=1 {name}", r)
+        best = None
+        for k in (int(x) for x in a.rounds.split(",")):
+            if a.layers % k or a.layers // k < len(devices):
+                continue
+            runs[f"k={k} prefetch+release"] = r = ring_run(devices, model, work, rounds=k, flags=[], **kw)
+            _line(f"k={k} prefetch+release", r)
+            if best is None or r["tpot_s"] < runs[f"k={best} prefetch+release"]["tpot_s"]:
+                best = k
+        for name, flags in list(VARIANTS.items())[1:]:
+            runs[f"k={best} {name}"] = r = ring_run(devices, model, work, rounds=best, flags=flags, **kw)
+            _line(f"k={best} {name}", r)
+        fit: dict[str, list[float]] = {"on": [], "off": []}
+        for _ in range(a.fit_trials):  # interleaved, so that drift on the machine hits both alike
+            for key, flags in (("on", []), ("off", ALL_OFF)):
+                r = ring_run(devices, small, work, rounds=1, flags=flags, tokens=16, prompt=a.prompt, threads=a.threads)
+                fit[key].append(r["tpot_s"])
+                runs.setdefault(f"fits, memory policy {key}", r)
+    except CgroupUnavailable as e:
+        print(f"memory_testbed: {e}", file=sys.stderr)
+        return 2
+    except (KeyboardInterrupt, Terminated):
+        print("memory_testbed: interrupted; nodes stopped and cgroups removed", file=sys.stderr)
+        return 130
+
+    def tpot(name: str) -> float:
+        return runs[name]["tpot_s"]
+
+    plain = tpot(next(n for n in runs if n.startswith("plain")))
+    ratios = {
+        "ring k=best prefetch+release vs plain (target >= 5x)": plain / tpot(f"k={best} prefetch+release"),
+        "k=best vs k=1, both prefetch+release (target >= 1.8x)": tpot("k=1 prefetch+release") / tpot(f"k={best} prefetch+release"),
+        "prefetch vs no prefetch at k=best (target >= 1.15x)": tpot(f"k={best} no prefetch") / tpot(f"k={best} prefetch+release"),
+        "prefetch vs no prefetch at k=1": tpot("k=1 no prefetch") / tpot("k=1 prefetch+release"),
+        "release vs no release at k=best": tpot(f"k={best} no release") / tpot(f"k={best} prefetch+release"),
+        "fits: policy on vs off, median TPOT (target within 3%)": statistics.median(fit["on"]) / statistics.median(fit["off"]),
+    }
+    pressure = max(n["memory_pressure"] for r in runs.values() for n in r.get("nodes", []) if "fits" not in r)
+    results = {
+        "machine": f"{platform.machine()}, {platform.system()} {platform.release()}, {a.threads} threads",
+        "model": {"name": model.name, "gb": model.stat().st_size / 1e9, "x_caps": model.stat().st_size / caps},
+        "fit_model": {"name": small.name, "gb": small.stat().st_size / 1e9},
+        "devices": [d.__dict__ | {"cap_bytes": d.cap_bytes} for d in devices],
+        "tokens": a.tokens, "prompt": a.prompt, "best_k": best, "fit_tpot_s": fit,
+        "plain_as_shipped_killed_by_cap": bool(repacked.get("killed")),
+        "ratios": {k: round(v, 3) for k, v in ratios.items()},
+        "max_memory_pressure": round(pressure, 4),
+        "runs": runs,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "memory_testbed.json").write_text(json.dumps(results, indent=2) + "\n")
+    chart(results, RESULTS / "memory_testbed.png")
+    print("\n".join(f"{k}: {v:.2f}x" for k, v in ratios.items()), file=sys.stderr)
+    print(f"largest memory pressure on a node (target <= 6%): {pressure:.1%}", file=sys.stderr)
+    print(f"wrote {RESULTS / 'memory_testbed.json'} and memory_testbed.png", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Emulated Wi-Fi links: a user-space TCP forwarder that adds latency and caps bandwidth (this kernel has no
+netem). Each link listens on a loopback port and forwards to one target; bytes are delivered after they have
+been "transmitted" at the link's rate and then travelled for its latency, in both directions.
+
+Run as a process controlled through stdin, one command a line:
+    add HOST PORT LATENCY_MS MBIT   ->  prints "tcp://127.0.0.1:LISTEN_PORT" for the link to that target
+    quit
+`LinkProxy` in this module starts and drives such a process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+CHUNK = 64 << 10
+
+
+class _Pipe:
+    """One direction of one connection: schedules every chunk by the link's rate, then its latency."""
+
+    def __init__(self, latency_s: float, bytes_per_s: float) -> None:
+        self.latency_s, self.bytes_per_s = latency_s, bytes_per_s
+        self.free_at = 0.0  # when the emulated radio has sent what it was given
+
+    async def run(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+
+        async def deliver() -> None:
+            while (item := await queue.get()) is not None:
+                due, data = item
+                if (wait := due - loop.time()) > 0:
+                    await asyncio.sleep(wait)
+                writer.write(data)
+                await writer.drain()
+
+        sender = asyncio.create_task(deliver())
+        try:
+            while data := await reader.read(CHUNK):
+                now = loop.time()
+                self.free_at = max(now, self.free_at) + len(data) / self.bytes_per_s
+                queue.put_nowait((self.free_at + self.latency_s, data))
+        except ConnectionError:
+            pass
+        finally:
+            queue.put_nowait(None)
+            try:
+                await sender
+            except ConnectionError:
+                pass
+            writer.close()
+
+
+async def _link(target: tuple[str, int], latency_s: float, bytes_per_s: float) -> int:
+    async def handle(r_in: asyncio.StreamReader, w_in: asyncio.StreamWriter) -> None:
+        try:
+            r_out, w_out = await asyncio.open_connection(*target)
+        except OSError:
+            w_in.close()
+            return
+        await asyncio.gather(_Pipe(latency_s, bytes_per_s).run(r_in, w_out),
+                             _Pipe(latency_s, bytes_per_s).run(r_out, w_in))
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server.sockets[0].getsockname()[1]
+
+
+async def _serve() -> None:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while line := (await reader.readline()).decode().split():
+        if line[0] == "quit":
+            return
+        host, port, latency_ms, mbit = line[1], int(line[2]), float(line[3]), float(line[4])
+        listen = await _link((host, port), latency_ms / 1000, mbit * 1e6 / 8)
+        print(f"tcp://127.0.0.1:{listen}", flush=True)
+
+
+class LinkProxy:
+    """A proxy process; `route(endpoint, latency_ms, mbit)` returns the endpoint to connect to instead."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.testbed.linkproxy"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+
+    def route(self, endpoint: str, latency_ms: float, mbit: float) -> str:
+        host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"add {host.strip('[]')} {port} {latency_ms} {mbit}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline().strip()
+        if not line.startswith("tcp://"):
+            raise RuntimeError(f"the link proxy did not start a link to {endpoint} (exit code {self.proc.poll()})")
+        return line
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+                self.proc.wait(5)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _measure_rtt(endpoint: str, n: int = 20) -> float:
+    """Median round trip of one small message through `endpoint` to an echo server behind it (for checks)."""
+    import socket
+    import statistics
+
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    times = []
+    with socket.create_connection((host, int(port))) as s:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            s.sendall(b"x")
+            s.recv(1)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+if __name__ == "__main__":
+    asyncio.run(_serve())

@@ -1,0 +1,30 @@
+"""Timing a generation the same way for every run: greedy tokens after a prompt of fixed ids."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+
+def prompt_tokens(n: int) -> list[int]:
+    """The prompt every testbed run uses: the same ids for the baseline and the ring."""
+    return [3 + (7 * i) % 250 for i in range(n)]
+
+
+def time_greedy(llm: Any, prompt: int, tokens: int) -> dict[str, Any]:
+    """TTFT (the prompt's evaluation), TPOT (median over the decoded tokens) and the tokens, for a
+    llama_cpp.Llama (or primaplug.Llama) made with logits_all=True: llama-cpp-python 0.3 fills `scores` only then."""
+    t0 = time.perf_counter()
+    llm.eval(prompt_tokens(prompt))
+    ttft = time.perf_counter() - t0
+    out, times = [], []
+    for _ in range(tokens):
+        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        t0 = time.perf_counter()
+        llm.eval([out[-1]])
+        times.append(time.perf_counter() - t0)
+    return {"ttft_s": round(ttft, 3), "tpot_s": round(statistics.median(times), 3),
+            "token_s": [round(t, 3) for t in times], "tokens": out}

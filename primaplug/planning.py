@@ -1,0 +1,64 @@
+"""Plan a ring from measurements: profile the model and every device, measure the links, run the scheduler.
+
+Composition (it joins the coordinator, the profiler and the scheduler), used by `primaplug.Llama` and by
+`primaplug plan`. The head is the scheduler's first device (the paper's m = 1); the nodes follow in ring order.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from primaplug.coordinator import Cluster
+from primaplug.core.profiles import DeviceProfile, ModelProfile
+from primaplug.engine import ModelLayout
+from primaplug.profiler import model_types, profile_device, profile_model
+from primaplug.scheduler import DEFAULT_SLOW_DISK_BPS, Plan, Scheduler, solve
+
+HEAD = "head"
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    scheduler: Scheduler = "halda"
+    rounds: int | None = None  # None: the scheduler picks k
+    slow_disk_bps: float = DEFAULT_SLOW_DISK_BPS  # disks at most this fast never stream layers (Halda)
+    profile_dir: str | None = None  # the head's profile cache (default ~/.cache/primaplug/profiles)
+    force_profile: bool = False  # measure every device again
+
+
+@dataclass(frozen=True)
+class Measured:
+    model: ModelProfile
+    devices: tuple[DeviceProfile, ...]  # the head first, then the nodes in ring order
+    link_latency_s: float
+    link_bps: float
+
+
+def measure(cluster: Cluster, path: str | os.PathLike[str], layout: ModelLayout, settings: PlanSettings,
+            say: Callable[[str], None] = lambda _: None) -> Measured:
+    """Profile the model, the head and every node of a connected cluster, and the ring's links."""
+    s = cluster.settings
+    model = profile_model(layout, n_ctx=s.n_ctx, n_batch=s.n_batch, n_ubatch=s.n_ubatch)
+    say("profiling the nodes (measured once per device, then cached there)")
+    nodes = cluster.profiles(lambda node, _, what: say(f"{node}: {what}"), force=settings.force_profile)
+    say("profiling this device (the head)")
+    head = profile_device(HEAD if HEAD not in {p.name for p in nodes} else f"{HEAD} (this device)",
+                          model_types=model_types(model), cache_dir=settings.profile_dir,
+                          force=settings.force_profile, model_path=Path(path), layer_bytes=model.layer_bytes)
+    say("measuring the ring's links")
+    latency, bps = cluster.measure_links()
+    devices = tuple(msgspec.structs.replace(p, link_latency_s=latency, link_bps=bps) for p in (head, *nodes))
+    return Measured(model, devices, latency, bps)
+
+
+def plan_cluster(cluster: Cluster, measured: Measured, settings: PlanSettings) -> Plan:
+    """Solve for the measured cluster and give the cluster the plan's windows (dropped nodes leave it)."""
+    plan = solve(measured.devices, measured.model, scheduler=settings.scheduler, rounds=settings.rounds,
+                 slow_disk_bps=settings.slow_disk_bps)
+    cluster.apply_plan(plan, [d.name for d in measured.devices[1:]])
+    return plan

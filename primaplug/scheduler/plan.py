@@ -1,0 +1,167 @@
+"""A plan: which layers each device runs in each round, and what the latency model predicts for it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from primaplug.core.windows import LayerRange, check_cover, execution_order, ring_windows
+from primaplug.scheduler.latency import SET_NAMES, DeviceSet, Platform, assign_sets, predict
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """One device's part of a plan: w layers per window (n of them on its GPU), one window per round."""
+
+    name: str
+    w: int
+    n: int
+    windows: tuple[LayerRange, ...]  # global [start, end) layer ranges, round 0 first
+    device_set: DeviceSet
+    ram_bytes: int
+    vram_bytes: int
+    disk_bytes: int  # re-read from disk per token
+    compute_s: float
+    memory_s: float
+    disk_s: float
+    network_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.memory_s + self.disk_s + self.network_s
+
+
+@dataclass(frozen=True)
+class DroppedDevice:
+    """A device the scheduler left out of the ring, and why."""
+
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """k rounds of windows over the devices in the ring; `devices[0]` is the head, which runs last in each round."""
+
+    scheduler: str
+    k: int
+    n_layer: int
+    devices: tuple[DevicePlan, ...]
+    dropped: tuple[DroppedDevice, ...] = ()
+
+    @property
+    def head(self) -> DevicePlan:
+        return self.devices[0]
+
+    @property
+    def ring(self) -> tuple[DevicePlan, ...]:
+        """The devices in the order a token visits them in each round: the others as given, then the head."""
+        return self.devices[1:] + self.devices[:1]
+
+    def device(self, name: str) -> DevicePlan:
+        for d in self.devices:
+            if d.name == name:
+                return d
+        raise KeyError(f"no device {name!r} in the plan (devices: {', '.join(d.name for d in self.devices)})")
+
+    def windows_in_order(self) -> list[tuple[str, LayerRange]]:
+        """(device, window) in the order a token runs them: round by round round the ring."""
+        return [(d.name, d.windows[r]) for r in range(self.k) for d in self.ring]
+
+    @property
+    def compute_s(self) -> float:
+        return sum(d.compute_s for d in self.devices)
+
+    @property
+    def memory_s(self) -> float:
+        return sum(d.memory_s for d in self.devices)
+
+    @property
+    def disk_s(self) -> float:
+        return sum(d.disk_s for d in self.devices)
+
+    @property
+    def network_s(self) -> float:
+        return sum(d.network_s for d in self.devices)
+
+    @property
+    def total_s(self) -> float:
+        """Predicted time per token (the latency model's sum over devices)."""
+        return sum(d.total_s for d in self.devices)
+
+    def describe(self) -> str:
+        """A readable table of the plan (what `primaplug plan` prints)."""
+        ring = " -> ".join(d.name for d in self.ring)
+        lines = [
+            f"plan by {self.scheduler}: {self.n_layer} layers, {self.k} round(s), {len(self.devices)} device(s); "
+            f"ring: {ring} (head: {self.head.name})",
+            f"predicted {_ms(self.total_s)} ms/token = compute {_ms(self.compute_s)} + memory {_ms(self.memory_s)}"
+            f" + disk {_ms(self.disk_s)} + network {_ms(self.network_s)}",
+        ]
+        header = ("device", "set", "w", "gpu", "windows", "RAM GiB", "VRAM GiB", "disk GiB/tok",
+                  "compute ms", "memory ms", "disk ms", "net ms", "total ms")
+        rows = [header]
+        for d in self.ring:
+            rows.append((d.name + (" (head)" if d is self.head else ""), d.device_set, str(d.w), str(d.n),
+                         " ".join(str(r) for r in d.windows), _gib(d.ram_bytes), _gib(d.vram_bytes),
+                         _gib(d.disk_bytes), _ms(d.compute_s), _ms(d.memory_s), _ms(d.disk_s), _ms(d.network_s),
+                         _ms(d.total_s)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        left = {0, 1, 4}
+        for r in rows:
+            lines.append("  ".join(c.ljust(wd) if i in left else c.rjust(wd)
+                                   for i, (c, wd) in enumerate(zip(r, widths, strict=True))).rstrip())
+        lines += [f"dropped {d.name}: {d.reason}" for d in self.dropped]
+        return "\n".join(lines)
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f}" if np.isfinite(s) else "inf"
+
+
+def _gib(b: int) -> str:
+    return f"{b / GIB:.2f}" if b else "-"
+
+
+def build_plan(
+    p: Platform,
+    k: int,
+    w: Sequence[int] | np.ndarray,
+    n: Sequence[int] | np.ndarray,
+    scheduler: str,
+    *,
+    sets: Sequence[DeviceSet] | None = None,
+    dropped: Sequence[DroppedDevice] = (),
+) -> Plan:
+    """The plan for placement (k, w, n) on the devices of `p` (head first), with the model's prediction.
+
+    `sets` are the device sets the scheduler planned with; by default each device's set follows its memory use.
+    """
+    w = np.asarray(w, dtype=np.int64)
+    n = np.asarray(n, dtype=np.int64)
+    if (w < 1).any() or (n < 0).any() or (n > w).any():
+        raise ValueError(f"a placement needs w >= 1 and 0 <= n <= w on every device: w={w.tolist()} n={n.tolist()}")
+    m = p.n_devices
+    ring_index = list(range(1, m)) + [0]
+    per_ring = ring_windows([int(w[i]) for i in ring_index], k, p.n_layer)
+    windows: list[tuple[LayerRange, ...]] = [()] * m
+    for pos, i in enumerate(ring_index):
+        windows[i] = tuple(per_ring[pos])
+    check_cover(execution_order(per_ring), p.n_layer)
+    if sets is None:
+        sets = tuple(SET_NAMES[s] for s in assign_sets(p, k, w, n))
+    pred = predict(p, k, w, n)
+    devices = tuple(
+        DevicePlan(
+            name=p.names[i], w=int(w[i]), n=int(n[i]), windows=windows[i], device_set=sets[i],
+            ram_bytes=int(pred.ram_bytes[i]), vram_bytes=int(pred.vram_bytes[i]), disk_bytes=int(pred.disk_bytes[i]),
+            compute_s=float(pred.compute_s[i]), memory_s=float(pred.memory_s[i]), disk_s=float(pred.disk_s[i]),
+            network_s=float(pred.network_s[i]),
+        )
+        for i in range(m)
+    )
+    return Plan(scheduler=scheduler, k=k, n_layer=p.n_layer, devices=devices, dropped=tuple(dropped))

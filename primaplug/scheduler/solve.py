@@ -1,0 +1,131 @@
+"""The scheduler's entry point: a plan for a model on a list of devices, by Halda or by a baseline."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+
+from primaplug.core.errors import PlacementInfeasibleError
+from primaplug.core.profiles import DeviceProfile, ModelProfile
+from primaplug.scheduler.baselines import compute_proportional, memory_proportional
+from primaplug.scheduler.halda import HaldaResult, halda
+from primaplug.scheduler.latency import DEFAULT_SLOW_DISK_BPS, Platform, no_spill_capacity, platform
+from primaplug.scheduler.plan import GIB, DroppedDevice, Plan, build_plan
+
+Scheduler = Literal["halda", "memory", "compute"]
+SCHEDULERS: tuple[Scheduler, ...] = ("halda", "memory", "compute")
+
+_ADVICE = ("add a device with free RAM/VRAM or a fast SSD, plan for a shorter context (a smaller n_kv), "
+           "or use a smaller quantization of the model")
+
+
+def solve(
+    devices: Sequence[DeviceProfile],
+    model: ModelProfile,
+    *,
+    scheduler: Scheduler = "halda",
+    rounds: int | None = None,
+    slow_disk_bps: float = DEFAULT_SLOW_DISK_BPS,
+) -> Plan:
+    """Plan `model` on `devices` (`devices[0]` is the head; the others run in the given order in each round).
+
+    `scheduler`: "halda" (the paper's Algorithm 1 with device selection), "memory" (layers in proportion to
+    memory, exo's rule) or "compute" (in proportion to compute speed with OOM migration, Galaxy's rule).
+    `rounds` fixes k for Halda (a divisor of the layer count); by default Halda picks it, and in the latency
+    model k = 1 is never slower (docs/halda.md), so pass it to get pipelined-ring rounds.
+    Devices whose disk reads at most `slow_disk_bps` bytes/s never spill layers to disk under Halda.
+    Raises PlacementInfeasibleError when the model cannot be placed, ValueError on malformed input.
+    """
+    if scheduler not in SCHEDULERS:
+        raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {', '.join(SCHEDULERS)}")
+    names = [d.name for d in devices]
+    if len(set(names)) != len(names):
+        raise ValueError(f"device names must be unique: {names}")
+    if model.n_layer < 1 or model.layer_bytes_with_kv <= 0:
+        raise ValueError(f"model {model.name!r} needs at least one layer of positive size")
+    if rounds is not None and (rounds < 1 or model.n_layer % rounds):
+        raise ValueError(f"rounds must divide the model's {model.n_layer} layers, got {rounds}")
+    if rounds not in (None, 1) and scheduler != "halda":
+        raise ValueError(f"the {scheduler} scheduler plans one round; only halda takes rounds={rounds}")
+    p = platform(devices, model, slow_disk_bps=slow_disk_bps)
+    _check_capacity(p, slow_disk_bps)
+    if scheduler == "halda":
+        return _solve_halda(p, slow_disk_bps, rounds)
+    if p.n_devices > p.n_layer:
+        raise PlacementInfeasibleError(
+            f"{p.n_devices} devices but only {p.n_layer} layers: the {scheduler} scheduler gives every device a layer",
+            advice="pass fewer devices, or use scheduler='halda', which drops devices")
+    w, n = memory_proportional(p) if scheduler == "memory" else compute_proportional(p)
+    return build_plan(p, 1, w, n, scheduler)
+
+
+def _check_capacity(p: Platform, slow_disk_bps: float) -> None:
+    """Raise when no device may spill to disk and the devices' free memory cannot hold every layer."""
+    if not p.slow_disk.all():
+        return
+    held = int(no_spill_capacity(p).sum())
+    if held >= p.n_layer:
+        return
+    short = (p.n_layer - held) * p.layer_kv_bytes
+    raise PlacementInfeasibleError(
+        f"the model needs {p.n_layer} layers of {p.layer_kv_bytes / GIB:.2f} GiB (weights and KV cache), the "
+        f"devices' free RAM and VRAM hold {held} of them ({short / GIB:.2f} GiB short), and no device has a disk "
+        f"faster than {slow_disk_bps / 1e6:.0f} MB/s to stream the rest from",
+        shortfall_bytes=short, advice=_ADVICE)
+
+
+def _layer_time(p: Platform) -> np.ndarray:
+    return p.alpha + np.minimum(p.beta, 0.0)
+
+
+def _solve_halda(p: Platform, slow_disk_bps: float, rounds: int | None) -> Plan:
+    dropped: list[DroppedDevice] = []
+    held = no_spill_capacity(p)
+    if p.slow_disk[0] and held[0] < 1:
+        short = int(p.ram_fixed(1)[0] + p.layer_kv_bytes - p.ram_cap[0])
+        raise PlacementInfeasibleError(
+            f"the head {p.names[0]!r} cannot hold one layer ({p.layer_kv_bytes / GIB:.2f} GiB) besides the input "
+            f"row, the output layer and its compute buffer in its free memory, and its disk is slower than "
+            f"{slow_disk_bps / 1e6:.0f} MB/s", shortfall_bytes=max(short, 1),
+            advice="choose another device as the head, or " + _ADVICE)
+    active = [0]
+    for i in range(1, p.n_devices):
+        if p.slow_disk[i] and held[i] < 1:
+            dropped.append(DroppedDevice(p.names[i], "its free memory does not hold one layer and its disk is too "
+                                                     "slow to stream layers from"))
+        else:
+            active.append(i)
+    per_round = p.n_layer // (rounds or 1)
+    if len(active) > per_round:
+        # every device in the ring holds at least one layer per round: keep the fastest (the head always)
+        order = sorted(active[1:], key=lambda i: _layer_time(p)[i])
+        for i in order[per_round - 1:]:
+            dropped.append(DroppedDevice(p.names[i], f"more devices than the {per_round} layers per round; "
+                                                     "it is among the slowest"))
+        active = [0] + sorted(order[: per_round - 1])
+    ks = None if rounds is None else [rounds]
+    result = halda(p.subset(active), rounds=ks)
+    if result is None:
+        which = f"k = {rounds}" if rounds else f"any number of rounds k (a divisor of {p.n_layer})"
+        raise PlacementInfeasibleError(
+            f"no placement with {which} keeps every device with a slow disk within its free memory",
+            advice=_ADVICE)
+    # device selection (appendix A.7): drop devices that hold at most one layer per window, re-solve, repeat
+    while True:
+        low = [active[j] for j in range(1, len(active)) if result.solution.w[j] <= 1]
+        if not low:
+            break
+        keep = [i for i in active if i not in low]
+        trial: HaldaResult | None = halda(p.subset(keep), rounds=ks)
+        if trial is None or trial.solution.objective_s > result.solution.objective_s:
+            break  # the smaller ring is slower (or impossible): these devices help, keep them
+        for i in low:
+            dropped.append(DroppedDevice(
+                p.names[i], f"held {result.solution.w[active.index(i)]} layer per window; without it the predicted "
+                f"time is {trial.solution.objective_s * 1e3:.1f} ms/token instead of "
+                f"{result.solution.objective_s * 1e3:.1f}"))
+        active, result = keep, trial
+    s = result.solution
+    return build_plan(p.subset(active), s.k, s.w, s.n, "halda", sets=result.sets, dropped=dropped)

@@ -1,0 +1,106 @@
+"""Planning with real nodes: each node profiles itself over the control channel, the head measures the links over
+the ring, the scheduler plans, and the ring it deploys still gives plain llama-cpp-python's tokens."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.ring_helpers import LLAMA_KWARGS, assert_same, greedy_scores
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.fixture(scope="module")
+def nodes(gemma_path: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    from primaplug.launch import LocalNodes
+
+    with LocalNodes(gemma_path, 3, log_dir=tmp_path_factory.mktemp("plan-nodes")) as local:
+        yield local
+
+
+@pytest.fixture(scope="module")
+def plain(gemma_path: Path) -> tuple[list[int], object]:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(gemma_path), **LLAMA_KWARGS)
+    try:
+        return greedy_scores(llm, list(range(5, 75)), 12)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("scheduler", ["halda", "memory", "compute"])
+def test_a_planned_ring_gives_plain_llamas_tokens(scheduler: str, nodes, gemma_path: Path, plain) -> None:  # noqa: ANN001
+    import primaplug
+
+    llm = primaplug.Llama(gemma_path, nodes=nodes.addresses, scheduler=scheduler, node_threads=1, **LLAMA_KWARGS)
+    try:
+        plan = llm.plan
+        assert plan is not None and plan.scheduler == scheduler and plan.k == 1
+        covered = sorted((r.start, r.end) for d in plan.devices for r in d.windows if r.n_layers)
+        assert covered[0][0] == 0 and covered[-1][1] == 18 and all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+        # the ring holds exactly the nodes the plan kept
+        assert [n.name for n in llm.cluster.nodes] == [d.name for d in plan.ring[:-1]]
+        if scheduler == "halda":
+            # on one machine the nodes add only hops: Halda runs the model on the head and says why
+            assert {d.name for d in plan.dropped} == {"node1", "node2", "node3"}
+            assert all("predicted" in d.reason for d in plan.dropped)
+        else:
+            assert not plan.dropped and all(d.w >= 1 for d in plan.devices[1:])
+        assert plan.total_s > 0 and plan.compute_s > 0
+        assert_same(greedy_scores(llm, list(range(5, 75)), 12), plain)
+    finally:
+        llm.close()
+
+
+def test_links_are_measured_over_the_ring(nodes, gemma_path: Path) -> None:  # noqa: ANN001
+    from primaplug.coordinator import Cluster, ClusterSettings
+    from primaplug.engine import read_layout
+    from primaplug.transport import Transport
+    from primaplug.wire import ModelIdentity
+
+    layout = read_layout(gemma_path)
+    t = Transport()
+    ident = ModelIdentity(identity=layout.identity, file_name=gemma_path.name, n_layer=18, n_embd=layout.n_embd)
+    cluster = Cluster(t, ClusterSettings(nodes=tuple(nodes.addresses)), ident)
+    try:
+        cluster.connect()
+        latency, bps = cluster.measure_links()
+        assert 0 < latency < 0.05  # loopback: well under a millisecond here, a generous bound
+        assert bps > 1e7
+        assert all(n.status().state == "idle" for n in cluster.nodes), "probing must leave the nodes unloaded"
+    finally:
+        cluster.close()
+        t.close()
+
+
+def test_profile_requests_are_checked(nodes, gemma_path: Path) -> None:  # noqa: ANN001
+    from primaplug.coordinator import NodeClient
+    from primaplug.core.errors import NodeError
+    from primaplug.engine import read_layout
+    from primaplug.transport import Transport
+
+    t = Transport()
+    client = NodeClient(t, nodes.addresses[0])
+    try:
+        client.hello()
+        with pytest.raises(NodeError, match="wrong_model|holds"):
+            client.profile("123:not-a-model")
+        profile = client.profile(read_layout(gemma_path).identity)
+        assert profile.name == "node1" and profile.cpu_flops["Q4_K"] > 0 and profile.mem_available_bytes > 0
+    finally:
+        client.close()
+        t.close()
+
+
+def test_plan_command_prints_the_plan_without_deploying(gemma_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "primaplug", "plan", "--local-nodes", "2", "-m", str(gemma_path),
+                          "-c", "512", "--scheduler", "memory"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "plan by memory: 18 layers, 1 round(s), 3 device(s)" in out.stdout
+    assert "links (measured over the ring)" in out.stdout and "predicted" in out.stdout
+    assert "node1" in out.stdout and "node2" in out.stdout
