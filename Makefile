@@ -13,10 +13,13 @@ PY     := $(VENV)/bin/python
 PROMPT ?= The three primary colors are
 STAMP  := $(VENV)/.primaplug-installed
 
-.PHONY: run test setup engine bench clean
+.PHONY: run plan test setup engine bench bench-testbed clean
 
 run: setup
-	$(PY) -m primaplug run --local-nodes 3 -p "$(PROMPT)" -n 48 --verify
+	$(PY) -m primaplug run --local-nodes 3 --scheduler even -p "$(PROMPT)" -n 48 --verify
+
+plan: setup
+	$(PY) -m primaplug plan --local-nodes 3
 
 test: setup
 	$(PY) -m pytest
@@ -37,8 +40,16 @@ $(STAMP): pyproject.toml | engine
 	touch $(STAMP)
 
 bench: setup
+	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) benchmarks/windows_overhead.py
 	$(PY) benchmarks/ring_overhead.py
+	$(PY) benchmarks/scheduling_time.py
+
+# the emulated home cluster: needs root (cgroups, dropping the page cache) and about half an hour
+bench-testbed: setup
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) benchmarks/memory_testbed.py
+	$(PY) benchmarks/halda_testbed.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

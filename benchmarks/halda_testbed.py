@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import platform
 import sys
 from pathlib import Path
@@ -90,6 +91,8 @@ def main() -> int:
     a = ap.parse_args()
 
     unwind_on_sigterm()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("primaplug.llama").setLevel(logging.ERROR)  # llama.cpp's own log
     devices = load_devices(a.devices)
     scale = float(a.devices.partition("/")[2] or 1)
     slow_disk_bps = 400e6 / scale  # the scheduler's slow-disk threshold, scaled like the disks

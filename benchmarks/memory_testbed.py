@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import platform
 import statistics
 import sys
@@ -157,6 +158,8 @@ def main() -> int:
     a = ap.parse_args()
 
     unwind_on_sigterm()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("primaplug.llama").setLevel(logging.ERROR)  # llama.cpp's own log
     devices = load_devices(a.devices)
     model, small = model_file(a.size, a.layers), model_file(a.fit_size, 16)
     caps = sum(d.cap_bytes for d in devices)

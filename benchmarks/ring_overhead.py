@@ -44,7 +44,15 @@ def hop_cost(address: str, model: Path, rows: int, repeats: int) -> float:
     from primaplug.coordinator import NodeClient
     from primaplug.engine import read_layout
     from primaplug.transport import Transport
-    from primaplug.wire import PROTOCOL_VERSION, Activation, Assignment, ModelIdentity, WindowSpec, decode_ring, encode_ring
+    from primaplug.wire import (
+        PROTOCOL_VERSION,
+        Activation,
+        Assignment,
+        ModelIdentity,
+        WindowSpec,
+        decode_ring,
+        encode_ring,
+    )
 
     layout = read_layout(model)
     t = Transport()

@@ -6,6 +6,7 @@ random loopback ports and prints one `ready` line with its addresses, which is h
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import select
@@ -77,7 +78,7 @@ class LocalNodes:
                    "127.0.0.1:0", "--name", name, *self.extra_args, *self.node_args[i]]
             with open(log_path, "w") as err:
                 proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
-                                        preexec_fn=self.preexec[i])
+                                        preexec_fn=_child_setup(self.preexec[i]))
             procs.append((proc, name, log_path))
         try:
             for proc, name, log_path in procs:
@@ -121,6 +122,19 @@ class LocalNodes:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _child_setup(then: Callable[[], None] | None) -> Callable[[], None]:
+    """Runs in each node child before exec: on Linux the node gets SIGTERM when its launcher dies, even by
+    SIGKILL, so no node outlives the process that started it; then the caller's own setup."""
+
+    def setup() -> None:
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if then is not None:
+            then()
+
+    return setup
 
 
 def _kill(proc: subprocess.Popen[str]) -> None:

@@ -21,7 +21,12 @@ from typing import Any
 from primaplug.coordinator import Cluster, ClusterSettings
 from primaplug.core.errors import ConfigError
 from primaplug.coordinator.cluster import Progress, Route
-from primaplug.engine import ContextSettings, Model, read_layout
+from primaplug.core.windows import LayerRange
+from primaplug.engine import ContextSettings, Model, ModelLayout, Window, read_layout
+from primaplug.memory.policy import PrefetchPlan, plan_prefetch
+from primaplug.memory.prefetcher import Prefetcher
+from primaplug.memory.system import memory_view
+from primaplug.node.deployment import weights_budget
 from primaplug.engine.ring_llama import RingLlama
 from primaplug.planning import PlanSettings, measure, plan_cluster
 from primaplug.scheduler import SCHEDULERS, Plan
@@ -52,6 +57,8 @@ class Llama(RingLlama):
         node_gpu_layers: layers of each node window that run on the node's GPU, one number for every node or
             one per node (the first layers of each window).
         progress: called with (node, fraction, message) while the nodes load.
+        memory_budget: bytes the head's own windows' weights may use (default: what this device has available,
+            less KV cache, buffers, the output layer and 5%); windows that do not fit are streamed, as on a node.
         route: maps (the sending node's address or "head", endpoint) to the endpoint it connects to instead (an
             emulated link in between).
         **kwargs: llama_cpp.Llama's own arguments (n_ctx, n_batch, n_ubatch, n_threads, seed, chat_format, ...).
@@ -73,6 +80,7 @@ class Llama(RingLlama):
         node_gpu_layers: int | Sequence[int] = 0,
         progress: Progress | None = None,
         route: Route | None = None,
+        memory_budget: int | None = None,
         **kwargs: Any,
     ) -> None:
         path = Path(model_path)
@@ -94,6 +102,7 @@ class Llama(RingLlama):
                                    else (node_gpu_layers,) * len(nodes))
         self._cluster: Cluster | None = None
         self._head_model: Model | None = None
+        self._prefetcher: Prefetcher | None = None
         self.plan: Plan | None = None  # the scheduler's plan, when one was made
         try:
             self._cluster = cluster = Cluster(self._transport, settings, ident)
@@ -106,12 +115,20 @@ class Llama(RingLlama):
             else:
                 cluster.plan()
             head_windows = [r for r in cluster.head_ranges if r.n_layers]
-            self._head_model = head = Model(path, head_windows, output=True, layout=layout)
+            memory = _head_memory_plan(layout, head_windows, n_ctx, n_batch, n_ubatch, memory_budget)
+            self._head_model = head = Model(path, head_windows, output=True, layout=layout,
+                                            repack=memory.mode == "resident")
             cluster.deploy(progress)
             threads = kwargs.get("n_threads") or max(1, (os.cpu_count() or 2) // 2)  # llama_cpp.Llama's default
             ctx = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads)
-            windows = [head.window(r.start, r.end, output_hidden=True, settings=ctx) if r.n_layers else None
-                       for r in cluster.head_ranges]
+            windows: list[Window | _StreamedWindow | None] = [
+                head.window(r.start, r.end, output_hidden=True, settings=ctx) if r.n_layers else None
+                for r in cluster.head_ranges]
+            if memory.mode == "stream":
+                self._prefetcher = Prefetcher(str(path), memory)
+                streamed = [i for i, w in enumerate(windows) if w is not None]
+                windows = [_StreamedWindow(w, self._prefetcher, streamed.index(i), i == streamed[-1])
+                           if w is not None else None for i, w in enumerate(windows)]
             super().__init__(head, cluster.ring(windows), **kwargs)
         except BaseException:
             self._close_ring()
@@ -123,6 +140,9 @@ class Llama(RingLlama):
         return self._cluster
 
     def _close_ring(self) -> None:
+        if getattr(self, "_prefetcher", None) is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
         if self._head_model is not None:
             self._head_model.close()
             self._head_model = None
@@ -139,3 +159,43 @@ class Llama(RingLlama):
             super().close()
         if hasattr(self, "_transport"):
             self._close_ring()
+
+
+def _head_memory_plan(layout: ModelLayout, windows: list[LayerRange], n_ctx: int, n_batch: int,
+                      n_ubatch: int, budget: int | None) -> PrefetchPlan:
+    """The head's windows follow the nodes' memory policy: resident (repacked) when they fit in what this device
+    has left after the output layer, else streamed like a node's (not repacked, which would need them all in RAM)."""
+    from primaplug.profiler import compute_buffer_output_bytes
+
+    if budget is None:
+        other = layout.output_bytes + compute_buffer_output_bytes(layout, n_ctx, n_batch, n_ubatch)
+        budget = weights_budget(layout, windows, n_ctx, n_batch, n_ubatch, memory_view(), other_bytes=other)
+    plan = plan_prefetch([layout.window_ranges(r) for r in windows], budget)
+    if plan.mode == "stream":
+        log.warning("the head's windows do not fit in its memory: %s", plan.describe())
+    return plan
+
+
+class _StreamedWindow:
+    """A head window whose weights are streamed: tells the prefetcher when it starts and when it is done."""
+
+    def __init__(self, window: Window, prefetcher: Prefetcher, index: int, last: bool) -> None:
+        self.window, self.prefetcher, self.index, self.last = window, prefetcher, index, last
+        self.layers, self.n_embd = window.layers, window.n_embd
+
+    @property
+    def takes_tokens(self) -> bool:
+        return self.window.takes_tokens
+
+    def forward(self, inputs: Any, positions: int, *, seq_id: int = 0) -> Any:
+        self.prefetcher.window_started(self.index)
+        try:
+            return self.window.forward(inputs, positions, seq_id=seq_id)
+        finally:
+            self.prefetcher.window_done(self.index, last_of_token=self.last)
+
+    def kv_clear(self) -> None:
+        self.window.kv_clear()
+
+    def kv_remove(self, seq_id: int, p0: int, p1: int = -1) -> None:
+        self.window.kv_remove(seq_id, p0, p1)

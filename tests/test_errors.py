@@ -7,8 +7,7 @@ import pytest
 from gguf import GGUFWriter
 
 from primaplug.core import LayerRange, ModelFormatError, UnsupportedArchitectureError, WindowRangeError
-from primaplug.engine import SUPPORTED_ARCHS, ContextSettings, Model, read_layout
-from primaplug.engine import _log, _native
+from primaplug.engine import SUPPORTED_ARCHS, ContextSettings, Model, _log, _native, read_layout
 from tests.conftest import synthetic_path
 
 SETTINGS = ContextSettings(n_ctx=128, n_batch=32, n_ubatch=32)

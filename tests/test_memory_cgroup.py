@@ -36,14 +36,11 @@ def _run(model: Path, work: Path, flags: list[str]) -> tuple[list[int], list, li
     from primaplug.core import LayerRange
     from primaplug.engine import read_layout
     from primaplug.node.deployment import MARGIN, reserved_bytes
-    from primaplug.wire import Assignment, ModelIdentity, WindowSpec
 
     layout = read_layout(model)
     window = sum(n for _, n in layout.window_ranges(LayerRange(0, 4)))
-    ident = ModelIdentity(identity=layout.identity, file_name=model.name, n_layer=8, n_embd=layout.n_embd)
-    a = Assignment(epoch=1, model=ident, windows=(WindowSpec(0, 4),), successor="", n_ctx=LLAMA_KWARGS["n_ctx"],
-                   n_batch=LLAMA_KWARGS["n_batch"], n_ubatch=LLAMA_KWARGS["n_ubatch"])
-    reserve = reserved_bytes(layout, a, [LayerRange(0, 4)])
+    reserve = reserved_bytes(layout, [LayerRange(0, 4)], LLAMA_KWARGS["n_ctx"], LLAMA_KWARGS["n_batch"],
+                             LLAMA_KWARGS["n_ubatch"])
     devices = [Device(f"t{os.getpid()}-n{i}", memory_mib=512, disk_mbps=1000) for i in (1, 2)]
     with Testbed(devices, model, work, node_args=flags, links=False, drop_caches=False) as tb:
         caps = []

@@ -73,3 +73,17 @@ def test_a_prefetch_never_brings_in_more_than_the_budget_leaves() -> None:
         for w in range(3):
             got = sum(n for _, n in plan.prefetch_ranges(w))
             assert got <= plan.prefetch_room and plan.keep_bytes + got * (2 if plan.early else 1) <= budget
+
+
+
+def test_a_single_window_that_does_not_fit_is_streamed_whole() -> None:
+    """Keeping part of a single oversized window loses to the kernel's LRU (docs/memory.md): it streams whole,
+    the budget's worth prefetched after each release."""
+    plan = plan_prefetch([WINDOWS[0] + WINDOWS[1]], 20 * MiB)
+    assert plan.mode == "stream" and not plan.early and plan.keep_bytes == 0
+    assert plan.prefetch_room == 20 * MiB and sum(n for _, n in plan.prefetch_ranges(0)) == 20 * MiB
+    assert Schedule(plan).done(0) == [Action("release", 0), Action("prefetch", 0)]
+
+def test_a_single_window_without_keep_streams_it_all() -> None:
+    plan = plan_prefetch([WINDOWS[0] + WINDOWS[1]], 20 * MiB, keep=False)
+    assert plan.keep_bytes == 0 and sum(plan.stream_bytes) == 32 * MiB and plan.prefetch_room == 20 * MiB

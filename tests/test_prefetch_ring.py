@@ -29,8 +29,8 @@ def _run(model: Path, log_dir: Path, node_args: list[str]) -> tuple[list[int], l
 
 
 def test_streaming_windows_prefetch_release_and_keep_the_tokens(streaming_model: Path, tmp_path: Path) -> None:
-    from primaplug.engine import read_layout
     from primaplug.core import LayerRange
+    from primaplug.engine import read_layout
 
     layout = read_layout(streaming_model)
     window_bytes = sum(n for _, n in layout.window_ranges(LayerRange(0, 4)))
@@ -53,3 +53,40 @@ def test_streaming_windows_prefetch_release_and_keep_the_tokens(streaming_model:
     # streamed weights are not repacked, resident ones are: the tokens may round differently, but the
     # resident ring reproduces plain llama-cpp-python (tests/test_ring.py); here both runs must be sane
     assert len(resident_tokens) == len(on_tokens) == 16
+
+
+def test_a_head_whose_windows_do_not_fit_streams_them(streaming_model: Path, tmp_path: Path) -> None:
+    """The head follows the nodes' memory policy: over budget, its windows are streamed (not repacked) and the
+    ring gives the tokens of the same windows chained in one process without repacking."""
+    import numpy as np
+
+    import primaplug
+    from primaplug.core import LayerRange
+    from primaplug.engine import ContextSettings, Model, WindowChain
+    from primaplug.launch import LocalNodes
+
+    prompt = [3 + 5 * i for i in range(40)]
+    windows = [LayerRange(0, 4), LayerRange(4, 8)]
+    settings = ContextSettings(n_ctx=LLAMA_KWARGS["n_ctx"], n_batch=LLAMA_KWARGS["n_batch"],
+                               n_ubatch=LLAMA_KWARGS["n_ubatch"], n_threads=2)
+    with Model(streaming_model, windows, repack=False) as m:
+        chain = WindowChain(m, windows, settings=settings)
+        expected, pos, logits = [], len(prompt), chain.forward(prompt, 0)
+        for _ in range(12):
+            expected.append(int(np.argmax(logits)))
+            logits = chain.forward([expected[-1]], pos)
+            pos += 1
+
+    with LocalNodes(streaming_model, 1, log_dir=tmp_path, extra_args=["--memory-budget", "2"]) as local:
+        llm = primaplug.Llama(streaming_model, nodes=local.addresses, layers=[4, 4], memory_budget=2 * MiB,
+                              node_threads=1, **LLAMA_KWARGS)
+        try:
+            tokens, _ = greedy_scores(llm, prompt, 12)
+            p = llm._prefetcher
+            assert p is not None and p.plan.mode == "stream"
+            assert p.stats.bytes_prefetched > 0 and p.stats.bytes_released > 0
+            assert p.wait_idle(10), "the prefetcher did not finish"
+            assert p.resident_bytes() <= 2 * MiB + 4 * 4096
+        finally:
+            llm.close()
+    assert tokens == expected

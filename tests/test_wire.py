@@ -7,17 +7,20 @@ import numpy as np
 import pytest
 
 from primaplug.core import ProtocolError
+from primaplug.core.profiles import DeviceProfile
 from primaplug.wire import (
     PROTOCOL_VERSION,
     Activation,
     Assignment,
     DeviceFacts,
     ErrorReply,
+    GetProfile,
     GetStatus,
     Hello,
     KvOp,
     LoadAssignment,
     ModelIdentity,
+    ProfileReply,
     RingError,
     Shutdown,
     Status,
@@ -35,13 +38,18 @@ IDENT = ModelIdentity(identity="1000:abcd", file_name="m.gguf", n_layer=18, n_em
 ASSIGN = Assignment(epoch=7, model=IDENT, windows=(WindowSpec(0, 6), WindowSpec(9, 12, 2)),
                     successor="tcp://127.0.0.1:7001", n_ctx=512, n_batch=64, n_ubatch=32)
 REQUESTS = [Hello(proto=PROTOCOL_VERSION, software="0.1.0"), LoadAssignment(assignment=ASSIGN), GetStatus(),
-            Unload(), Shutdown()]
+            GetProfile(model="1000:abcd", force=True), Unload(), Shutdown()]
+PROFILE = DeviceProfile(name="a", os="android", backend="cpu", cpu_count=8, cpu_flops={"Q4_K": 2e10, "F32": 5e9},
+                        mem_total_bytes=8 << 30, mem_available_bytes=2 << 30, swap_can_bytes=1 << 30,
+                        disk_seq_bps=1.4e9, link_latency_s=0.007, link_bps=4e7)
 REPLIES = [
     Welcome(proto=1, software="0.1.0", node="a", models=(IDENT,),
             device=DeviceFacts(os="Linux", machine="x86_64", cpu_count=2, mem_total_bytes=1 << 30,
                                mem_available_bytes=1 << 29), ring_endpoint="tcp://127.0.0.1:7001"),
     Status(node="a", state="ready", epoch=7, progress=1.0, message="ready", last_step=3, steps_done=4),
     ErrorReply(node="a", code="wrong_model", message="no"),
+    ProfileReply(node="a", profile=PROFILE),
+    ProfileReply(node="a", message="measuring"),
 ]
 ACT = Activation(proto=PROTOCOL_VERSION, epoch=7, step=3, round=1, seq_id=0, pos0=10, n_rows=2, width=4,
                  dtype="float32", all_rows=False)

@@ -85,11 +85,14 @@ def plan_prefetch(windows: Sequence[Sequence[tuple[int, int]]], budget_bytes: in
     """Plan for windows given as their tensors' byte ranges, within a budget for weights (bytes).
 
     With keep, the kept fraction is the largest that still leaves room for two streamed windows at once
-    (so the next can be prefetched while the current runs), or else for one.
+    (so the next can be prefetched while the current runs), or else for one. A single window that does not fit
+    keeps nothing: keeping as much of it as the budget holds and letting the rest fault in was tried and measured
+    1.65x slower on the emulated cluster (docs/memory.md): the kernel cannot tell kept pages from the streamed
+    ones faulting in beside them and evicts both.
     """
     sizes = [sum(n for _, n in w) for w in windows]
     total = sum(sizes)
-    if total <= budget_bytes:
+    if total <= budget_bytes or not windows:
         return PrefetchPlan("resident", budget_bytes, tuple(r for w in windows for r in w), tuple(() for _ in windows),
                             early=False, keep_fraction=1.0)
     largest = max(sizes)

@@ -53,8 +53,8 @@ class Prefetcher:
         self._thread.start()
         log.info("memory: %s; prefetch by %s, release by %s", plan.describe(), self.advisor.mode,
                  self.advisor.release_mode)
-        if plan.mode == "stream" and switches.keep and plan.keep:
-            self._submit(Action("prefetch", -1))  # the kept part, once
+        if plan.mode == "stream" and switches.keep and switches.prefetch and plan.keep:
+            self._submit(Action("prefetch", -1))  # the kept part, once (without prefetch it faults in on first use)
         for a in self.schedule.first():
             self._submit(a)
 

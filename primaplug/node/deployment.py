@@ -31,15 +31,18 @@ class MemorySettings:
 MARGIN = 0.05  # of total memory, left to the OS and the apps people use
 
 
-def reserved_bytes(layout: ModelLayout, a: Assignment, windows: list[LayerRange]) -> int:
-    """What a node's windows need besides weights: their KV cache and one llama.cpp compute buffer each."""
-    kv = sum(layout.kv_bytes_per_token(il) * a.n_ctx for w in windows for il in range(w.start, w.end))
-    return kv + len(windows) * compute_buffer_layers_bytes(layout, a.n_ctx, a.n_batch, a.n_ubatch)
+def reserved_bytes(layout: ModelLayout, windows: list[LayerRange], n_ctx: int, n_batch: int, n_ubatch: int) -> int:
+    """What windows need besides weights: their KV cache and one llama.cpp compute buffer each."""
+    kv = sum(layout.kv_bytes_per_token(il) * n_ctx for w in windows for il in range(w.start, w.end))
+    return kv + len(windows) * compute_buffer_layers_bytes(layout, n_ctx, n_batch, n_ubatch)
 
 
-def weights_budget(layout: ModelLayout, a: Assignment, windows: list[LayerRange], view: MemoryView) -> int:
-    """Available memory, less this node's KV cache, compute buffers and a margin: what its weights may use."""
-    return view.available_bytes - reserved_bytes(layout, a, windows) - int(MARGIN * view.total_bytes)
+def weights_budget(layout: ModelLayout, windows: list[LayerRange], n_ctx: int, n_batch: int, n_ubatch: int,
+                   view: MemoryView, other_bytes: int = 0) -> int:
+    """Available memory, less the windows' KV cache and compute buffers, `other_bytes` (the head's output layer)
+    and a margin: what the windows' weights may use. Nodes and the head size their memory plan with it."""
+    return (view.available_bytes - reserved_bytes(layout, windows, n_ctx, n_batch, n_ubatch) - other_bytes
+            - int(MARGIN * view.total_bytes))
 
 
 @dataclass
@@ -59,8 +62,9 @@ class Deployment:
         ranges = [LayerRange(w.start, w.end) for w in specs]
         used = [r for r in ranges if r.n_layers]
         gpu = [il for w in specs for il in range(w.start, w.start + w.gpu_layers)]
+        a = assignment
         budget = memory.budget_bytes if memory.budget_bytes is not None else \
-            weights_budget(layout, assignment, used, memory_view())
+            weights_budget(layout, used, a.n_ctx, a.n_batch, a.n_ubatch, memory_view())
         plan = plan_prefetch([layout.window_ranges(r) for r in used], budget, keep=memory.switches.keep)
         progress(0.05, f"mapping {os.path.basename(path)} for windows {', '.join(map(str, used)) or '(relay only)'}"
                        f"; {plan.describe()}")
