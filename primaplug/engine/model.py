@@ -37,7 +37,9 @@ class ContextSettings:
     # must reproduce the tokens of the whole one
     flash_attn: bool = False
     # how long idle compute threads spin before sleeping (ggml's 0-100). 0 frees the cores between calls for
-    # the apps people use; a higher level trades idle CPU for a little less latency per call
+    # the apps people use; a higher level saves waking them for each call. Windows that run back to back in one
+    # process (WindowChain) poll and pause the pool after the last (Model.pause_threads), so they never spin
+    # outside a token
     poll: int = 0
 
     @property
@@ -158,6 +160,11 @@ class Model:
             self._pools[key] = pool
             self._stack.callback(_native.ggml_threadpool_free, pool)  # after the windows created later
         return self._pools[key]
+
+    def pause_threads(self) -> None:
+        """Put the compute threads of every pool to sleep now, polling or not; the next call wakes them."""
+        for pool in self._pools.values():
+            _native.ggml_threadpool_pause(pool)
 
     # --- vocabulary ----------------------------------------------------------------------------------------
 
