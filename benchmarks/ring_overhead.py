@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """Decode time per token through real node processes on loopback, against plain llama-cpp-python, measured
-in the same run (interleaved trials, medians), and the cost of one ring hop.
+in the same run (paired blocks taking turns, medians), and the cost of one ring hop.
 
-    .venv/bin/python benchmarks/ring_overhead.py [--model PATH] [--tokens 64] [--trials 5] [--threads 2]
+    .venv/bin/python benchmarks/ring_overhead.py [--model PATH] [--block 8] [--rounds 40] [--threads 2]
 
 Variants: plain llama-cpp-python on the whole model; one node holding every layer; three nodes with one round;
-three nodes with two rounds. Every variant decodes the same tokens (plain llama's greedy continuation) with the
-same thread count. The hop cost is half the round trip of a message through a node that relays it (decode,
-validate, encode, send), for 1 and 512 rows of n_embd = 4096 float32. Writes benchmarks/results/ring_overhead.json.
+three nodes with two rounds (each on nodes of its own). Every variant decodes the same tokens (plain llama's
+greedy continuation) with the same thread count, in short blocks taking turns at the same positions; ratios are
+paired within a round (median over rounds). The hop cost is half the round trip of a message through a node that
+relays it (decode, validate, encode, send), for 1 and 512 rows of n_embd = 4096 float32.
+Writes benchmarks/results/ring_overhead.json.
 Targets: one node within 5% of plain llama-cpp-python; a single-row hop under 0.5 ms.
 """
 
@@ -30,9 +32,8 @@ from primaplug.cli import default_model
 OUT = Path(__file__).resolve().parent / "results" / "ring_overhead.json"
 
 
-def per_token(llm, prompt: list[int], tokens: list[int]) -> float:
-    llm.reset()
-    llm.eval(prompt)
+def block_time(llm, tokens: list[int]) -> float:
+    """Seconds per token to decode `tokens` one by one after what `llm` has evaluated so far."""
     t0 = time.perf_counter()
     for tok in tokens:
         llm.eval([tok])
@@ -84,8 +85,8 @@ def hop_cost(address: str, model: Path, rows: int, repeats: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="GGUF file (default: the bundled Gemma 3 270M)")
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--block", type=int, default=8, help="tokens per variant per round (default 8)")
+    ap.add_argument("--rounds", type=int, default=40, help="rounds of blocks (default 40)")
     ap.add_argument("--threads", type=int, default=2, help="compute threads of every variant (default 2)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -100,32 +101,38 @@ def main() -> int:
     path = Path(args.model) if args.model else default_model()
     n_layer = read_layout(path).n_layer
     kw = dict(n_ctx=1024, n_threads=args.threads, verbose=False)
-    with tempfile.TemporaryDirectory() as logs, LocalNodes(path, 3, log_dir=logs) as local:
+    # every ring variant has nodes of its own (1 + 3 + 3), so that the variants can take turns without redeploying
+    with tempfile.TemporaryDirectory() as logs, LocalNodes(path, 7, log_dir=logs) as local:
         plain = llama_cpp.Llama(str(path), **kw)
         prompt = plain.tokenize(b"The history of distributed computing begins with")
         tokens: list[int] = []  # plain llama's greedy continuation, fed identically to every variant
         for tok in plain.generate(prompt, temp=0.0):
             tokens.append(int(tok))
-            if len(tokens) == args.tokens:
+            if len(tokens) == args.block * args.rounds:
                 break
         a = local.addresses
         variants = {
             "plain_llama": plain,
             "one_node": primaplug.Llama(path, nodes=a[:1], layers=[n_layer], node_threads=args.threads, **kw),
-            "three_nodes_1_round": primaplug.Llama(path, nodes=a, scheduler="even", node_threads=args.threads, **kw),
+            "three_nodes_1_round": primaplug.Llama(path, nodes=a[1:4], scheduler="even", node_threads=args.threads,
+                                                   **kw),
         }
         if n_layer % 2 == 0:
-            variants["three_nodes_2_rounds"] = primaplug.Llama(path, nodes=a, scheduler="even", rounds=2, node_threads=args.threads, **kw)
-        # every ring above was deployed to the same nodes; only the last deployment is live, so each variant
-        # redeploys before its trial (cheap: the mapping stays in the page cache)
+            variants["three_nodes_2_rounds"] = primaplug.Llama(path, nodes=a[4:7], scheduler="even", rounds=2,
+                                                               node_threads=args.threads, **kw)
+        for llm in variants.values():
+            llm.reset()
+            llm.eval(prompt)
+        # the variants take turns decoding the same blocks of tokens at the same positions: drift on the machine
+        # hits all of them alike, and ratios are paired within a round
         times: dict[str, list[float]] = {k: [] for k in variants}
-        for trial in range(args.trials):
+        for r in range(args.rounds):
+            block = tokens[r * args.block:(r + 1) * args.block]
             for name, llm in variants.items():
-                if name != "plain_llama":
-                    llm.cluster.deploy()
-                times[name].append(per_token(llm, prompt, tokens))
-            print(f"trial {trial + 1}/{args.trials}: " + ", ".join(f"{k} {v[-1] * 1000:.2f} ms" for k, v in times.items()),
-                  file=sys.stderr)
+                times[name].append(block_time(llm, block))
+            if (r + 1) % 10 == 0:
+                print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1] * 1000:.2f} ms" for k, v in
+                                                                   times.items()), file=sys.stderr)
         for llm in variants.values():
             llm.close()
         hops = {f"{rows}_rows_ms": round(hop_cost(a[0], path, rows, 50 if rows == 1 else 10) * 1000, 3)
@@ -136,10 +143,12 @@ def main() -> int:
         "model": path.name,
         "machine": f"{platform.machine()}, {platform.system()} {platform.release()}",
         "threads": args.threads,
-        "tokens_per_trial": args.tokens,
-        "trials": args.trials,
+        "tokens_per_block": args.block,
+        "rounds": args.rounds,
         "decode_ms_per_token_median": {k: round(v * 1000, 3) for k, v in med.items()},
-        "ratio_vs_plain": {k: round(v / med["plain_llama"], 4) for k, v in med.items()},
+        "ratio_vs_plain_paired": {k: round(statistics.median(x / y for x, y in zip(v, times["plain_llama"],
+                                                                                      strict=True)), 4)
+                                  for k, v in times.items()},
         "hop_n_embd_4096": hops,
     }
     OUT.parent.mkdir(parents=True, exist_ok=True)
