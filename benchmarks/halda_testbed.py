@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.memory_testbed import CACHE, RESULTS, model_file  # noqa: E402
-from benchmarks.testbed.cgroups import CgroupUnavailable  # noqa: E402
+from benchmarks.testbed.cgroups import CgroupUnavailableError  # noqa: E402
 from benchmarks.testbed.cluster import Terminated, Testbed, unwind_on_sigterm  # noqa: E402
 from benchmarks.testbed.devices import Device, load_devices  # noqa: E402
 from benchmarks.testbed.timing import time_greedy  # noqa: E402
@@ -108,7 +108,7 @@ def main() -> int:
             print(f"  {s:<8} k={r['k']} TTFT {r['ttft_s']:6.2f} s  TPOT {r['tpot_s']:6.2f} s  predicted "
                   f"{r['predicted_tpot_s']:6.2f} s ({r['predicted_over_measured']:.2f}x)", file=sys.stderr)
             print("    " + r["plan"].replace("\n", "\n    "), file=sys.stderr)
-    except CgroupUnavailable as e:
+    except CgroupUnavailableError as e:
         print(f"halda_testbed: {e}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Terminated):

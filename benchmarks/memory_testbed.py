@@ -30,7 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.testbed.cgroups import CgroupUnavailable  # noqa: E402
+from benchmarks.testbed.cgroups import CgroupUnavailableError  # noqa: E402
 from benchmarks.testbed.cluster import Terminated, Testbed, unwind_on_sigterm  # noqa: E402
 from benchmarks.testbed.devices import Device, load_devices  # noqa: E402
 from benchmarks.testbed.plain import run_capped  # noqa: E402
@@ -49,7 +49,7 @@ def memory_then_disk(devices: list[Device], layer_bytes: float, per_round: int, 
     fit = [0.8 * d.memory_mib * (1 << 20) / layer_bytes / rounds for d in devices]
     rest = max(0.0, per_round - sum(fit))
     speed = sum(d.disk_mbps for d in devices)
-    return proportional([f + rest * d.disk_mbps / speed for f, d in zip(fit, devices)], per_round)
+    return proportional([f + rest * d.disk_mbps / speed for f, d in zip(fit, devices, strict=True)], per_round)
 
 
 def proportional(weights: list[float], total: int) -> list[int]:
@@ -101,10 +101,12 @@ def ring_run(devices: list[Device], model: Path, work: Path, *, rounds: int, fla
         peaks = tb.peak_memory_bytes()
     return {
         "rounds": rounds, "layers_per_round": sizes, "flags": flags, "deploy_s": round(deployed, 2), **timed,
-        "nodes": [{"name": d.name, "memory_mode": s.memory_mode, "major_faults_per_token": round(s.major_faults_per_token, 1),
+        "nodes": [{"name": d.name, "memory_mode": s.memory_mode,
+                   "major_faults_per_token": round(s.major_faults_per_token, 1),
                    "memory_pressure": round(s.memory_pressure, 4), "bytes_prefetched": s.bytes_prefetched,
                    "bytes_released": s.bytes_released, "resident_bytes": s.resident_bytes,
-                   "cap_bytes": d.cap_bytes, "peak_bytes": p} for d, s, p in zip(devices, statuses, peaks)],
+                   "cap_bytes": d.cap_bytes, "peak_bytes": p}
+                  for d, s, p in zip(devices, statuses, peaks, strict=True)],
     }
 
 
@@ -132,8 +134,8 @@ def chart(results: dict[str, Any], path: Path) -> None:
     devs = [d["name"] for d in results["devices"]]
     width = 0.8 / len(devs)
     for j, d in enumerate(devs):
-        ax2.barh([i + j * width for i in range(len(ring))], [runs[n]["nodes"][j]["memory_pressure"] * 100 for n in ring],
-                 height=width, label=d)
+        ax2.barh([i + j * width for i in range(len(ring))],
+                 [runs[n]["nodes"][j]["memory_pressure"] * 100 for n in ring], height=width, label=d)
     ax2.set_yticks([i + 0.4 - width / 2 for i in range(len(ring))], ring)
     ax2.invert_yaxis()
     ax2.axvline(6, color="red", linestyle="--", linewidth=1, label="6% target")
@@ -145,7 +147,8 @@ def chart(results: dict[str, Any], path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--devices", default="paper-d1-d4/24", help="device file or preset[/scale] (default paper-d1-d4/24)")
+    ap.add_argument("--devices", default="paper-d1-d4/24",
+                    help="device file or preset[/scale] (default paper-d1-d4/24)")
     ap.add_argument("--size", default="1800M", help="synthetic model size (default 1800M)")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--fit-size", default="300M", help="the model that fits the caps (default 300M)")
@@ -199,7 +202,7 @@ def main() -> int:
                 r = ring_run(devices, small, work, rounds=1, flags=flags, tokens=16, prompt=a.prompt, threads=a.threads)
                 fit[key].append(r["tpot_s"])
                 runs.setdefault(f"fits, memory policy {key}", r)
-    except CgroupUnavailable as e:
+    except CgroupUnavailableError as e:
         print(f"memory_testbed: {e}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Terminated):
@@ -212,11 +215,14 @@ def main() -> int:
     plain = tpot(next(n for n in runs if n.startswith("plain")))
     ratios = {
         "ring k=best prefetch+release vs plain (target >= 5x)": plain / tpot(f"k={best} prefetch+release"),
-        "k=best vs k=1, both prefetch+release (target >= 1.8x)": tpot("k=1 prefetch+release") / tpot(f"k={best} prefetch+release"),
-        "prefetch vs no prefetch at k=best (target >= 1.15x)": tpot(f"k={best} no prefetch") / tpot(f"k={best} prefetch+release"),
+        "k=best vs k=1, both prefetch+release (target >= 1.8x)":
+            tpot("k=1 prefetch+release") / tpot(f"k={best} prefetch+release"),
+        "prefetch vs no prefetch at k=best (target >= 1.15x)":
+            tpot(f"k={best} no prefetch") / tpot(f"k={best} prefetch+release"),
         "prefetch vs no prefetch at k=1": tpot("k=1 no prefetch") / tpot("k=1 prefetch+release"),
         "release vs no release at k=best": tpot(f"k={best} no release") / tpot(f"k={best} prefetch+release"),
-        "fits: policy on vs off, median TPOT (target within 3%)": statistics.median(fit["on"]) / statistics.median(fit["off"]),
+        "fits: policy on vs off, median TPOT (target within 3%)":
+            statistics.median(fit["on"]) / statistics.median(fit["off"]),
     }
     pressure = max(n["memory_pressure"] for r in runs.values() for n in r.get("nodes", []) if "fits" not in r)
     results = {

@@ -68,7 +68,7 @@ def _ring(args: argparse.Namespace, path: Path, llama_kwargs: dict[str, Any]) ->
             if llm.plan is not None:
                 print("primaplug: " + llm.plan.describe().replace("\n", "\nprimaplug:   "), file=sys.stderr)
             c = llm.cluster
-            plan = "; ".join(f"{n} {' '.join(map(str, r))}" for n, r in zip(c.nodes, c.node_ranges))
+            plan = "; ".join(f"{n} {' '.join(map(str, r))}" for n, r in zip(c.nodes, c.node_ranges, strict=True))
             head = " ".join(str(r) for r in c.head_ranges if r.n_layers) or "output layer only"
             print(f"primaplug: ring of {len(c.nodes)} node(s) + head, {len(c.head_ranges)} round(s), deployed in "
                   f"{time.perf_counter() - t0:.1f} s: {plan}{'; ' if plan else ''}head {head}", file=sys.stderr)
@@ -122,7 +122,8 @@ def plan_ring(args: argparse.Namespace, path: Path) -> int:
 
 def _profiles_table(measured: Any) -> str:
     gb = 1e9
-    lines = [f"model {measured.model.name}: {measured.model.n_layer} layers of {measured.model.layer_bytes / gb:.3f} GB, "
+    lines = [f"model {measured.model.name}: {measured.model.n_layer} layers of "
+             f"{measured.model.layer_bytes / gb:.3f} GB, "
              f"KV {measured.model.kv_bytes_per_token_layer} B/token/layer for {measured.model.n_kv} tokens",
              f"links (measured over the ring): {measured.link_latency_s * 1000:.2f} ms, "
              f"{measured.link_bps * 8 / 1e6:.0f} Mbit/s per hop"]

@@ -19,15 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from primaplug.coordinator import Cluster, ClusterSettings
-from primaplug.core.errors import ConfigError
 from primaplug.coordinator.cluster import Progress, Route
+from primaplug.core.errors import ConfigError
 from primaplug.core.windows import LayerRange
 from primaplug.engine import ContextSettings, Model, ModelLayout, Window, read_layout
+from primaplug.engine.ring_llama import RingLlama
 from primaplug.memory.policy import PrefetchPlan, plan_prefetch
 from primaplug.memory.prefetcher import Prefetcher
 from primaplug.memory.system import memory_view
 from primaplug.node.deployment import weights_budget
-from primaplug.engine.ring_llama import RingLlama
 from primaplug.planning import PlanSettings, measure, plan_cluster
 from primaplug.scheduler import SCHEDULERS, Plan
 from primaplug.transport import Transport, load_keys

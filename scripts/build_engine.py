@@ -172,7 +172,8 @@ def build_wheel(python: str, sdist: Path, gpu: str, key: str, out: Path) -> Path
         src = Path(tmp) / f"llama_cpp_python-{VERSION}"
         apply_patches(src, patch_files())
         init = src / "llama_cpp" / "__init__.py"
-        init.write_text(init.read_text().replace(f'__version__ = "{VERSION}"', f'__version__ = "{VERSION}+primaplug.{key}"'))
+        init.write_text(init.read_text().replace(f'__version__ = "{VERSION}"',
+                                                 f'__version__ = "{VERSION}+primaplug.{key}"'))
 
         env = dict(os.environ)
         env["CMAKE_ARGS"] = " ".join(cmake_flags(gpu))
@@ -215,7 +216,8 @@ def run_with_progress(cmd: list[str], env: dict[str, str], log_path: Path) -> No
         print()
     if code != 0:
         tail = log_path.read_text().splitlines()[-40:]
-        raise BuildError("the engine build failed; the end of its log:\n" + "\n".join(tail) + f"\nwhole log: {log_path}")
+        raise BuildError("the engine build failed; the end of its log:\n" + "\n".join(tail)
+                         + f"\nwhole log: {log_path}")
     print(f"engine: built in {(time.monotonic() - start) / 60:.1f} min", flush=True)
 
 

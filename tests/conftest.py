@@ -51,7 +51,8 @@ def synthetic_path(model_dir: Path, arch: str, n_layer: int, ftype: str) -> Path
     return out
 
 
-@pytest.fixture(scope="session", params=[*SYNTHETIC, "gemma3-270m"], ids=lambda p: p if isinstance(p, str) else "-".join(map(str, p)))
+@pytest.fixture(scope="session", params=[*SYNTHETIC, "gemma3-270m"],
+                ids=lambda p: p if isinstance(p, str) else "-".join(map(str, p)))
 def test_model(request: pytest.FixtureRequest, model_dir: Path) -> TestModel:
     if request.param == "gemma3-270m":
         path = request.getfixturevalue("gemma_path")

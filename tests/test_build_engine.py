@@ -50,7 +50,8 @@ def test_patch_that_no_longer_applies_names_patch_and_hunk(build, tmp_path) -> N
     (src / "lib" / "a.c").write_text("int one = 1;\nint two = 2;\nint three = 3;\n")
     patch = tmp_path / "0001-change-two.patch"
     patch.write_text(
-        "--- a/lib/a.c\n+++ b/lib/a.c\n@@ -1,3 +1,3 @@\n int one = 1;\n-int two = 22;\n+int two = 20;\n int three = 3;\n"
+        "--- a/lib/a.c\n+++ b/lib/a.c\n@@ -1,3 +1,3 @@\n"
+        " int one = 1;\n-int two = 22;\n+int two = 20;\n int three = 3;\n"
     )
     with pytest.raises(build.BuildError) as e:
         build.apply_patches(src, [patch])

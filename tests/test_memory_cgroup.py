@@ -25,7 +25,7 @@ def cgroups_available() -> None:
     try:
         probe = cgroups.Cgroup(f"probe-{os.getpid()}", cgroups.Caps(memory_bytes=256 * MiB), None).create()
         probe.remove()
-    except cgroups.CgroupUnavailable as e:
+    except cgroups.CgroupUnavailableError as e:
         pytest.skip(f"cgroups cannot be created here: {e}")
 
 
@@ -68,7 +68,7 @@ def test_release_keeps_windows_within_the_cgroup_budget(cgroups_available: None,
     on_tokens, on, caps = _run(streaming_model, tmp_path / "on", [])
     off_tokens, off, _ = _run(streaming_model, tmp_path / "off", ["--no-prefetch"])
     assert on_tokens == off_tokens, "prefetch must not change a token"
-    for s, cap in zip(on, caps):
+    for s, cap in zip(on, caps, strict=True):
         assert 0 < s.memory_budget_bytes < window, f"the cap ({cap >> 20} MiB) should leave less than a window"
         assert "POPULATE_READ" in s.memory_mode or "pread" in s.memory_mode, s.memory_mode
         assert s.bytes_prefetched > 0 and s.bytes_released > 0

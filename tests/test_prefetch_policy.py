@@ -45,13 +45,14 @@ def test_kept_ranges_are_never_released_and_cover_every_layer() -> None:
     plan = plan_prefetch(WINDOWS, 40 * MiB)
     streamed = {r for w in plan.stream for r in w}
     assert not streamed & set(plan.keep)
-    for (off, n), (koff, kn) in zip([r for w in WINDOWS for r in w], plan.keep):
+    for (off, n), (koff, kn) in zip([r for w in WINDOWS for r in w], plan.keep, strict=True):
         assert koff == off and 0 < kn < n and kn % PAGE == 0
     # kept plus streamed is every byte, exactly once
     assert sum(n for _, n in plan.keep) + sum(plan.stream_bytes) == 48 * MiB
 
 
-@pytest.mark.parametrize(("prefetch", "release", "keep"), [(False, True, True), (True, False, True), (True, True, False)])
+@pytest.mark.parametrize(("prefetch", "release", "keep"),
+                         [(False, True, True), (True, False, True), (True, True, False)])
 def test_switches_turn_parts_off(prefetch: bool, release: bool, keep: bool) -> None:
     plan = plan_prefetch(WINDOWS, 40 * MiB, keep=keep)
     s = Schedule(plan, prefetch=prefetch, release=release)

@@ -196,7 +196,8 @@ def test_curve_rejects_peers_without_the_cluster_key(gemma_path: Path, tmp_path:
             t.close()
         assert "rejected a peer" in local.nodes[0].log()
 
-        ring = primaplug.Llama(gemma_path, nodes=local.addresses, scheduler="even", keys=key, node_threads=1, **LLAMA_KWARGS)
+        ring = primaplug.Llama(gemma_path, nodes=local.addresses, scheduler="even", keys=key, node_threads=1,
+                               **LLAMA_KWARGS)
         try:
             tokens, _ = greedy_scores(ring, ring.tokenize(b"Hello"), 4)
             assert len(tokens) == 4

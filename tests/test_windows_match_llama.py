@@ -60,10 +60,12 @@ def assert_rows_close(expected: np.ndarray, got: np.ndarray, what: str) -> None:
     tol = 1e-3 * np.abs(expected).max(axis=-1)
     diff = np.abs(expected - got).max(axis=-1)
     bad = np.nonzero(diff > tol)[0]
-    assert bad.size == 0, f"{what}: rows {bad[:5].tolist()} differ by {diff[bad[:5]].tolist()} (tolerance {tol[bad[:5]].tolist()})"
+    assert bad.size == 0, (f"{what}: rows {bad[:5].tolist()} differ by {diff[bad[:5]].tolist()} "
+                           f"(tolerance {tol[bad[:5]].tolist()})")
 
 
-@pytest.mark.parametrize("partition", ["one-window", "two-windows", "three-uneven", "two-rounds-of-three", "output-on-head"])
+@pytest.mark.parametrize("partition",
+                         ["one-window", "two-windows", "three-uneven", "two-rounds-of-three", "output-on-head"])
 def test_split_model_matches_whole_model(test_model, partition: str) -> None:
     path = str(test_model.path)
     n_layer = read_layout(path).n_layer

@@ -60,13 +60,13 @@ def main() -> int:
         extra = [x for x in a.node_args if x != "--"]
         with Testbed(devices, a.model, a.workdir, node_args=extra, links=not a.no_links) as tb:
             assert tb.nodes is not None
-            for d, n in zip(devices, tb.nodes.nodes):
+            for d, n in zip(devices, tb.nodes.nodes, strict=True):
                 print(f"{d.name}: control {n.address}, ring {n.ring} (pid {n.pid}), cap {d.cap_bytes >> 20} MiB, "
                       f"disk {d.disk_mbps:g} MB/s", flush=True)
             print("primaplug run --nodes " + ",".join(tb.addresses) + f" -m {a.model}", flush=True)
             print("running; Ctrl-C stops the nodes and removes the cgroups", flush=True)
             signal.pause()
-    except cgroups.CgroupUnavailable as e:
+    except cgroups.CgroupUnavailableError as e:
         print(f"testbed: {e}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Terminated):

@@ -2,11 +2,12 @@
 CPU share, on cgroup v1 (memory, blkio, cpu controllers) or v2 (memory.max, io.max, cpu.max).
 
 Everything made here is named `primaplug-testbed-*`, so `clean_stale()` can remove what an earlier run left
-behind. Needs root (or a delegated cgroup); `CgroupUnavailable` says why when the caps cannot be made.
+behind. Needs root (or a delegated cgroup); `CgroupUnavailableError` says why when the caps cannot be made.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ ROOT = Path("/sys/fs/cgroup")
 PREFIX = "primaplug-testbed-"
 
 
-class CgroupUnavailable(RuntimeError):
+class CgroupUnavailableError(RuntimeError):
     """The caps cannot be created here; the message says why and what to do."""
 
 
@@ -28,7 +29,7 @@ def _own_path(controller: str | None) -> str:
             return path
         if controller is not None and controller in controllers.split(","):
             return path
-    raise CgroupUnavailable(f"this process is in no cgroup with the {controller or 'v2'} controller")
+    raise CgroupUnavailableError(f"this process is in no cgroup with the {controller or 'v2'} controller")
 
 
 def version() -> int:
@@ -37,7 +38,7 @@ def version() -> int:
         return 1
     if (ROOT / "cgroup.controllers").exists():
         return 2
-    raise CgroupUnavailable("no cgroup memory controller is mounted under /sys/fs/cgroup")
+    raise CgroupUnavailableError("no cgroup memory controller is mounted under /sys/fs/cgroup")
 
 
 def block_device(path: str | os.PathLike[str]) -> str:
@@ -48,7 +49,7 @@ def block_device(path: str | os.PathLike[str]) -> str:
     if (sys_dev / "partition").exists():
         dev = (sys_dev.resolve().parent / "dev").read_text().strip()
     if not sys_dev.exists():
-        raise CgroupUnavailable(f"{path} is not on a block device ({dev}): its reads cannot be throttled")
+        raise CgroupUnavailableError(f"{path} is not on a block device ({dev}): its reads cannot be throttled")
     return dev
 
 
@@ -76,10 +77,10 @@ class Cgroup:
                 self._create_v2()
         except PermissionError as e:
             self.remove()
-            raise CgroupUnavailable(f"cannot create cgroup {self.name} ({e}): the testbed needs root") from None
+            raise CgroupUnavailableError(f"cannot create cgroup {self.name} ({e}): the testbed needs root") from None
         except OSError as e:
             self.remove()
-            raise CgroupUnavailable(f"cannot set up cgroup {self.name}: {e}") from None
+            raise CgroupUnavailableError(f"cannot set up cgroup {self.name}: {e}") from None
         return self
 
     def _create_v1(self) -> None:
@@ -108,7 +109,7 @@ class Cgroup:
         wanted = {"memory", "io", "cpu"}
         available = set((parent / "cgroup.controllers").read_text().split())
         if not wanted <= available:
-            raise CgroupUnavailable(f"cgroup {parent} lacks the controllers {sorted(wanted - available)}")
+            raise CgroupUnavailableError(f"cgroup {parent} lacks the controllers {sorted(wanted - available)}")
         (parent / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in sorted(wanted)))
         d = parent / (PREFIX + self.name)
         d.mkdir(exist_ok=True)
@@ -133,13 +134,14 @@ class Cgroup:
         for d in self.dirs:
             if (d / "memory.limit_in_bytes").exists() or (d / "memory.max").exists():
                 return d
-        raise CgroupUnavailable(f"cgroup {self.name} has no memory cap")
+        raise CgroupUnavailableError(f"cgroup {self.name} has no memory cap")
 
     def set_memory(self, nbytes: int) -> None:
         """Change the memory cap now (the kernel reclaims down to it)."""
         d = self._memory_dir()
         v1 = (d / "memory.limit_in_bytes").exists()
-        if v1 and (d / "memory.memsw.limit_in_bytes").exists() and nbytes > int((d / "memory.limit_in_bytes").read_text()):
+        if (v1 and (d / "memory.memsw.limit_in_bytes").exists()
+                and nbytes > int((d / "memory.limit_in_bytes").read_text())):
             (d / "memory.memsw.limit_in_bytes").write_text(str(nbytes))  # memsw >= limit, so raise it first
         (d / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text(str(nbytes))
         if v1 and (d / "memory.memsw.limit_in_bytes").exists():
@@ -174,17 +176,15 @@ def _remove_dir(d: Path) -> None:
     for _ in range(50):
         try:
             for pid in (d / "cgroup.procs").read_text().split():
-                try:
+                with contextlib.suppress(OSError):  # the process has exited meanwhile
                     parent_procs.write_text(pid)
-                except OSError:
-                    pass  # the process has exited meanwhile
             d.rmdir()
             return
         except FileNotFoundError:
             return
         except OSError:
             time.sleep(0.1)  # the kernel frees a group a moment after its last process leaves
-    raise CgroupUnavailable(f"could not remove {d}: processes are still inside")
+    raise CgroupUnavailableError(f"could not remove {d}: processes are still inside")
 
 
 def clean_stale() -> list[Path]:
@@ -207,4 +207,4 @@ def drop_caches() -> None:
     try:
         Path("/proc/sys/vm/drop_caches").write_text("1")
     except OSError as e:
-        raise CgroupUnavailable(f"cannot drop the page cache ({e}): the testbed needs root") from None
+        raise CgroupUnavailableError(f"cannot drop the page cache ({e}): the testbed needs root") from None

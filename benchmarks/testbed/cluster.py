@@ -78,7 +78,7 @@ class Testbed:
         proxy with that device's latency and bandwidth."""
         if not self.links or self.proxy is None or self.nodes is None:
             return endpoint
-        by_address = {n.address: d for n, d in zip(self.nodes.nodes, self.devices)}
+        by_address = {n.address: d for n, d in zip(self.nodes.nodes, self.devices, strict=True)}
         d = by_address.get(sender, self.head_link)
         return self.proxy.route(endpoint, d.link_latency_ms, d.link_mbit)
 

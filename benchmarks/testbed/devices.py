@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 MiB = 1 << 20
-# memory a node process needs before any weight (Python, numpy, zmq, llama.cpp: about 40 MiB measured idle); added to each
-# device's cap so that memory_mib is what its model data may use (measured: docs/memory.md)
+# memory a node process needs before any weight (Python, numpy, zmq, llama.cpp: about 40 MiB measured idle); added to
+# each device's cap so that memory_mib is what its model data may use (measured: docs/memory.md)
 RUNTIME_MIB = 64
 
 

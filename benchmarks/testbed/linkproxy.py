@@ -11,6 +11,7 @@ Run as a process controlled through stdin, one command a line:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import time
@@ -47,10 +48,8 @@ class _Pipe:
             pass
         finally:
             queue.put_nowait(None)
-            try:
+            with contextlib.suppress(ConnectionError):
                 await sender
-            except ConnectionError:
-                pass
             writer.close()
 
 

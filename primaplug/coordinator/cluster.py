@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
+from primaplug.coordinator.nodes import NodeClient
+from primaplug.coordinator.ring import LocalWindow, RingHead
 from primaplug.core.errors import ConfigError, NodeError, NodeUnavailableError, ProtocolError
 from primaplug.core.profiles import DeviceProfile
 from primaplug.core.windows import LayerRange, even_split, ring_windows
-from primaplug.coordinator.nodes import NodeClient
-from primaplug.coordinator.ring import LocalWindow, RingHead
 from primaplug.scheduler import Plan
 from primaplug.transport import RingIn, RingOut, Transport, is_loopback, split_address
 from primaplug.wire import PROTOCOL_VERSION, Activation, Assignment, ModelIdentity, WindowSpec, decode_ring, encode_ring
@@ -119,7 +119,8 @@ class Cluster:
             out.append(msgspec.structs.replace(p, name=n.name))
         names = [p.name for p in out]
         if len(set(names)) < len(names):  # two nodes of one name: tell them apart by address
-            out = [msgspec.structs.replace(p, name=f"{p.name}@{n.address}") for p, n in zip(out, self.nodes)]
+            out = [msgspec.structs.replace(p, name=f"{p.name}@{n.address}")
+                   for p, n in zip(out, self.nodes, strict=True)]
         return out
 
     def measure_links(self, rows: int = 64, repeats: int = 7) -> tuple[float, float]:
@@ -164,7 +165,7 @@ class Cluster:
     def apply_plan(self, plan: Plan, names: Sequence[str]) -> None:
         """Take the windows of a plan whose devices are the head and then the nodes (`names[i]` is node i's
         name in the plan); nodes the plan dropped leave the ring."""
-        keep = [(n, plan.device(name)) for n, name in zip(self.nodes, names)
+        keep = [(n, plan.device(name)) for n, name in zip(self.nodes, names, strict=True)
                 if any(d.name == name for d in plan.devices)]
         for n in self.nodes:
             if all(n is not k for k, _ in keep):

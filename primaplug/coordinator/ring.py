@@ -17,9 +17,9 @@ from typing import Protocol
 import msgspec
 import numpy as np
 
+from primaplug.coordinator.nodes import NodeClient
 from primaplug.core.errors import NodeError, NodeUnavailableError, ProtocolError
 from primaplug.core.windows import LayerRange
-from primaplug.coordinator.nodes import NodeClient
 from primaplug.transport import RingIn, RingOut
 from primaplug.wire import (
     PROTOCOL_VERSION,

@@ -70,7 +70,7 @@ llama_init_window_from_model = _bind(
 
 # ggml's CPU thread pool (ggml.h, ggml-cpu.h). Without one, llama.cpp starts and joins fresh threads for every
 # decode call; a window chain makes several calls per token, so a process keeps one pool for all its windows.
-class ggml_threadpool_params(ctypes.Structure):
+class ggml_threadpool_params(ctypes.Structure):  # noqa: N801
     _fields_ = [
         ("cpumask", ctypes.c_bool * 512),  # GGML_MAX_N_THREADS
         ("n_threads", ctypes.c_int),

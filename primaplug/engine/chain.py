@@ -14,7 +14,6 @@ import numpy as np
 from primaplug.core.windows import LayerRange, check_cover
 from primaplug.engine.model import ContextSettings, Model, Window
 
-
 CHAIN_POLL = 50  # ggml's polling level for windows chained in one process (llama.cpp's own default)
 
 

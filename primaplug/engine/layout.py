@@ -10,6 +10,7 @@ on a 2-core machine; this parser skips the arrays it does not need and takes wel
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
@@ -208,11 +209,11 @@ class _Cursor:
 def read_layout(path: str | os.PathLike[str]) -> ModelLayout:
     """Read a GGUF model's layout from its header (tensor data is not read)."""
     path = str(path)
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise ModelFormatError(path, f"cannot open: {e.strerror}") from e
-    with f:
+    with contextlib.ExitStack() as stack:
+        try:
+            f = stack.enter_context(open(path, "rb"))
+        except OSError as e:
+            raise ModelFormatError(path, f"cannot open: {e.strerror}") from e
         file_size = os.fstat(f.fileno()).st_size
         if file_size < 24:
             raise ModelFormatError(path, "too small to be a GGUF file")

@@ -135,7 +135,8 @@ class Model:
         rng.check_within(n_layer)
         hidden = end < n_layer if output_hidden is None else output_hidden
         if end < n_layer and not hidden:
-            raise WindowRangeError(f"window {rng} does not reach the last layer ({n_layer - 1}): it outputs hidden states")
+            raise WindowRangeError(f"window {rng} does not reach the last layer ({n_layer - 1}): "
+                                   "it outputs hidden states")
         if start == end and (end != n_layer or hidden):
             raise WindowRangeError(f"an empty window must be the output-only window [{n_layer}, {n_layer})")
         missing = sorted(set(range(start, end)) - self.layers)

@@ -55,7 +55,8 @@ def _vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
     return tokens[:n_vocab], scores[:n_vocab], types[:n_vocab]
 
 
-def _tensors(spec: SyntheticSpec, rng: np.random.Generator) -> Iterator[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
+def _tensors(spec: SyntheticSpec,
+             rng: np.random.Generator) -> Iterator[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
     """Every tensor of the model in file order: name, shape (rows, cols) and a maker that draws its values.
     Makers must be called in this order: they share one random generator, so the same seed gives the same model."""
     e, hd = spec.n_embd, spec.n_embd // spec.n_head

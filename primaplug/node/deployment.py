@@ -77,7 +77,8 @@ class Deployment:
             windows: list[Window | None] = []
             for i, r in enumerate(ranges):
                 progress(0.1 + 0.85 * i / len(ranges), f"creating window {r} (round {i + 1}/{len(ranges)})")
-                windows.append(model.window(r.start, r.end, output_hidden=True, settings=settings) if r.n_layers else None)
+                windows.append(model.window(r.start, r.end, output_hidden=True, settings=settings)
+                               if r.n_layers else None)
             out = transport.ring_out(assignment.successor)
             prefetcher = Prefetcher(path, plan, memory.switches) if used else None
         except BaseException:

@@ -30,7 +30,8 @@ from primaplug.wire.ring import Activation, KvOp, RingError, RingMessage, decode
 
 __all__ = [
     "PROTOCOL_VERSION", "Activation", "Assignment", "ControlReply", "ControlRequest", "DeviceFacts", "ErrorReply",
-    "GetProfile", "GetStatus", "Hello", "KvOp", "LoadAssignment", "ModelIdentity", "ProfileReply", "RingError", "RingMessage", "Shutdown",
+    "GetProfile", "GetStatus", "Hello", "KvOp", "LoadAssignment", "ModelIdentity", "ProfileReply", "RingError",
+    "RingMessage", "Shutdown",
     "Status", "Unload", "Welcome", "WindowSpec", "decode_reply", "decode_request", "decode_ring", "encode",
     "encode_ring", "window_output",
 ]
