@@ -98,6 +98,29 @@ def test_profile_requests_are_checked(nodes, gemma_path: Path) -> None:  # noqa:
         t.close()
 
 
+def test_a_node_with_windows_loaded_refuses_to_profile(nodes, gemma_path: Path) -> None:  # noqa: ANN001
+    """Its own windows would skew the free memory it reports: the head unloads nodes before profiling."""
+    import primaplug
+    from primaplug.coordinator import NodeClient
+    from primaplug.core.errors import NodeError
+    from primaplug.engine import read_layout
+    from primaplug.transport import Transport
+
+    llm = primaplug.Llama(gemma_path, nodes=nodes.addresses[:1], scheduler="even", node_threads=1, **LLAMA_KWARGS)
+    llm.close()  # the node keeps its windows, ready for the next head
+    t = Transport()
+    client = NodeClient(t, nodes.addresses[0])
+    try:
+        client.hello()
+        with pytest.raises(NodeError, match="unload them before profiling"):
+            client.profile(read_layout(gemma_path).identity)
+        client.unload()
+        assert client.profile(read_layout(gemma_path).identity).name == "node1"
+    finally:
+        client.close()
+        t.close()
+
+
 def test_plan_command_prints_the_plan_without_deploying(gemma_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "primaplug", "plan", "--local-nodes", "2", "-m", str(gemma_path),
                           "-c", "512", "--scheduler", "memory"], capture_output=True, text=True, timeout=300)
