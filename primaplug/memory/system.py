@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import resource
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,37 +27,25 @@ class MemoryView:
         return max(0.0, (self.used_bytes - used_before) / self.total_bytes)
 
 
-def _cgroup_files() -> tuple[Path, Path, Path, str] | None:
+# read one file by absolute path; None when it does not exist or cannot be read
+Reader = Callable[[str], "str | None"]
+
+# cgroup v1 writes "no limit" as the largest page-aligned 63-bit value; anything above physical memory is no limit
+_V1_NO_LIMIT = 1 << 60
+
+
+def read_file(path: str) -> str | None:
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        return Path(path).read_text()
     except OSError:
         return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # cgroup v2
-            base = Path("/sys/fs/cgroup") / path.lstrip("/")
-            if (base / "memory.max").exists():
-                return base / "memory.max", base / "memory.current", base / "memory.stat", "cgroup v2"
-        elif "memory" in controllers.split(","):
-            base = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
-            if (base / "memory.limit_in_bytes").exists():
-                return base / "memory.limit_in_bytes", base / "memory.usage_in_bytes", base / "memory.stat", "cgroup v1"
-    return None
-
-
-def _stat_field(fields: dict[str, str], name: str) -> int:
-    return int(fields.get("total_" + name, fields.get(name, 0)))  # v1 has total_* (with children), v2 plain names
-
-
-def inactive_file_bytes(stat_text: str) -> int:
-    """Inactive page cache in a cgroup's memory.stat (v1: total_inactive_file, v2: inactive_file)."""
-    return _stat_field(dict(line.split() for line in stat_text.splitlines() if line.count(" ") == 1), "inactive_file")
 
 
 def file_cache_bytes(stat_text: str) -> int:
-    """Page cache (active and inactive file pages) in a cgroup's memory.stat."""
+    """Page cache (active and inactive file pages) in a cgroup's memory.stat (v1: total_* with the children,
+    v2: plain names)."""
     fields = dict(line.split() for line in stat_text.splitlines() if line.count(" ") == 1)
-    return _stat_field(fields, "active_file") + _stat_field(fields, "inactive_file")
+    return sum(int(fields.get("total_" + name, fields.get(name, 0))) for name in ("active_file", "inactive_file"))
 
 
 def cgroup_available(limit: int, usage: int, stat_text: str) -> int:
@@ -66,16 +55,54 @@ def cgroup_available(limit: int, usage: int, stat_text: str) -> int:
     return max(0, limit - (usage - file_cache_bytes(stat_text)))
 
 
+def cgroup_memory(proc_self_cgroup: str, read: Reader, physical: int) -> tuple[int, int, str] | None:
+    """(limit, available, "cgroup v1"/"cgroup v2") of the tightest memory limit on this process, or None.
+
+    A limit set on any ancestor binds as well, so the process's cgroup and every ancestor up to the mount's root
+    are checked. Available is `cgroup_available`: page cache counts as available."""
+    best: tuple[int, int, str] | None = None
+    for line in proc_self_cgroup.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
+        if controllers == "":
+            mounts, limit_name, usage_name, source = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"), "memory.max", \
+                "memory.current", "cgroup v2"
+        elif "memory" in controllers.split(","):
+            mounts, limit_name, usage_name, source = ("/sys/fs/cgroup/memory",), "memory.limit_in_bytes", \
+                "memory.usage_in_bytes", "cgroup v1"
+        else:
+            continue
+        for mount in mounts:
+            for level in _ancestors(rel):
+                base = f"{mount}{level}".rstrip("/")
+                raw = read(f"{base}/{limit_name}")
+                if raw is None or raw.strip() == "max":
+                    continue
+                limit = int(raw.strip())
+                if limit >= min(physical, _V1_NO_LIMIT):
+                    continue
+                usage = int((read(f"{base}/{usage_name}") or "0").strip() or 0)
+                available = cgroup_available(limit, usage, read(f"{base}/memory.stat") or "")
+                if best is None or available < best[1]:
+                    best = (limit, available, source)
+    return best
+
+
+def _ancestors(rel: str) -> list[str]:
+    """"/a/b" -> ["/a/b", "/a", ""]: the cgroup and its parents, relative to the mount."""
+    parts = [p for p in rel.strip().split("/") if p]
+    return ["/" + "/".join(parts[:i]) if i else "" for i in range(len(parts), -1, -1)]
+
+
 def memory_view() -> MemoryView:
+    """Memory now: MemAvailable, or what the tightest cgroup limit on this process leaves when that is less."""
     vm = psutil.virtual_memory()
-    files = _cgroup_files()
-    if files is not None:
-        limit_file, usage_file, stat_file, source = files
-        raw = limit_file.read_text().strip()
-        if raw != "max" and int(raw) < vm.total:
-            limit, usage = int(raw), int(usage_file.read_text())
-            stat = stat_file.read_text() if stat_file.exists() else ""
-            return MemoryView(limit, min(cgroup_available(limit, usage, stat), vm.available), source)
+    limited = cgroup_memory(read_file("/proc/self/cgroup") or "", read_file, vm.total)
+    if limited is not None:
+        limit, available, source = limited
+        return MemoryView(limit, min(available, vm.available), source)
     return MemoryView(vm.total, vm.available, "system")
 
 

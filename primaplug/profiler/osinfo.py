@@ -11,20 +11,13 @@ import os
 import platform
 import re
 import subprocess
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import psutil
 
 from primaplug.core.profiles import OsName
-from primaplug.memory.system import cgroup_available
-
-# read one file by absolute path; None when it does not exist or cannot be read
-Reader = Callable[[str], "str | None"]
-
-# cgroup v1 writes "no limit" as the largest page-aligned 63-bit value; anything above physical memory is no limit
-_V1_NO_LIMIT = 1 << 60
+from primaplug.memory.system import Reader, cgroup_memory, read_file
 
 
 @dataclass(frozen=True)
@@ -34,13 +27,6 @@ class MemoryReading:
     source: str  # "meminfo", "cgroup v1", "cgroup v2", "vm_stat", "psutil"
     swap_can_bytes: int = 0  # Android: anonymous memory the OS could swap out
     swap_free_bytes: int = 0  # Android: free swap
-
-
-def read_file(path: str) -> str | None:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return None
 
 
 # --- OS and CPU --------------------------------------------------------------------------------------------------
@@ -109,48 +95,6 @@ def parse_meminfo(text: str) -> dict[str, int]:
         if m:
             out[m.group(1)] = int(m.group(2)) * (1024 if line.rstrip().endswith("kB") else 1)
     return out
-
-
-def cgroup_memory(proc_self_cgroup: str, read: Reader, physical: int) -> tuple[int, int, str] | None:
-    """(limit, available, "cgroup v1"/"cgroup v2") of the tightest memory limit on this process, or None.
-
-    A limit set on any ancestor binds as well, so the process's cgroup and every ancestor up to the mount's root
-    are checked. Available follows memory/system.py: the limit less the working set (usage less inactive page
-    cache, which the kernel reclaims before it would fail an allocation)."""
-    best: tuple[int, int, str] | None = None
-    for line in proc_self_cgroup.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, rel = parts
-        if controllers == "":
-            mounts, limit_name, usage_name, source = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"), "memory.max", \
-                "memory.current", "cgroup v2"
-        elif "memory" in controllers.split(","):
-            mounts, limit_name, usage_name, source = ("/sys/fs/cgroup/memory",), "memory.limit_in_bytes", \
-                "memory.usage_in_bytes", "cgroup v1"
-        else:
-            continue
-        for mount in mounts:
-            for level in _ancestors(rel):
-                base = f"{mount}{level}".rstrip("/")
-                raw = read(f"{base}/{limit_name}")
-                if raw is None or raw.strip() == "max":
-                    continue
-                limit = int(raw.strip())
-                if limit >= min(physical, _V1_NO_LIMIT):
-                    continue
-                usage = int((read(f"{base}/{usage_name}") or "0").strip() or 0)
-                available = cgroup_available(limit, usage, read(f"{base}/memory.stat") or "")
-                if best is None or available < best[1]:
-                    best = (limit, available, source)
-    return best
-
-
-def _ancestors(rel: str) -> list[str]:
-    """"/a/b" -> ["/a/b", "/a", ""]: the cgroup and its parents, relative to the mount."""
-    parts = [p for p in rel.strip().split("/") if p]
-    return ["/" + "/".join(parts[:i]) if i else "" for i in range(len(parts), -1, -1)]
 
 
 def linux_memory(meminfo: str, proc_self_cgroup: str | None, read: Reader) -> MemoryReading:
