@@ -237,6 +237,9 @@ def _ring_flags(p: argparse.ArgumentParser) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     if not (args.nodes or args.local_nodes):
         raise PrimaplugError("plan needs --nodes HOST:PORT,... or --local-nodes N")
+    if args.scheduler == "even" or args.layers:
+        raise PrimaplugError("plan shows what a scheduler chooses: --scheduler even and --layers split by hand, with "
+                             "nothing to plan; use halda, memory or compute")
     from primaplug.cli_ring import plan_ring
 
     return plan_ring(args, Path(args.model) if args.model else default_model())

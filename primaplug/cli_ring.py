@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import random
 import sys
 import tempfile
@@ -78,10 +79,10 @@ def _ring(args: argparse.Namespace, path: Path, llama_kwargs: dict[str, Any]) ->
 
 
 def _plan_settings(args: argparse.Namespace) -> Any:
+    """The planning flags; the scheduler is passed on its own (`even` plans nothing)."""
     from primaplug.planning import PlanSettings
 
-    return PlanSettings(scheduler=args.scheduler if args.scheduler != "even" else "halda", rounds=args.rounds,
-                        slow_disk_bps=args.slow_disk * 1e6, force_profile=args.reprofile)
+    return PlanSettings(rounds=args.rounds, slow_disk_bps=args.slow_disk * 1e6, force_profile=args.reprofile)
 
 
 def plan_ring(args: argparse.Namespace, path: Path) -> int:
@@ -94,7 +95,7 @@ def plan_ring(args: argparse.Namespace, path: Path) -> int:
 
     layout = read_layout(path)
     layout.check_supported()
-    ps = _plan_settings(args)
+    ps = dataclasses.replace(_plan_settings(args), scheduler=args.scheduler)
     with _nodes(args, path) as addresses:
         transport = Transport(load_keys(args.keys) if args.keys else None)
         settings = ClusterSettings(nodes=tuple(addresses), n_ctx=args.ctx_size, n_batch=args.batch_size,

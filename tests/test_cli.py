@@ -46,3 +46,9 @@ def test_verify_without_a_seed_replays_the_drawn_seed(model_dir) -> None:
     out = run_cli("run", "-m", str(path), "-p", "ab", "-n", "10", "--temp", "1.0", "-c", "128", "--verify")
     assert out.returncode == 0, out.stderr
     assert "(seed " in out.stderr and "gave the same 10 tokens" in out.stderr
+
+
+def test_plan_refuses_a_split_by_hand() -> None:
+    for extra in (["--scheduler", "even"], ["--layers", "3,3"]):
+        out = run_cli("plan", "--local-nodes", "2", *extra)
+        assert out.returncode == 2 and "nothing to plan" in out.stderr, out.stderr
