@@ -83,6 +83,8 @@ class Llama(RingLlama):
         memory_budget: int | None = None,
         **kwargs: Any,
     ) -> None:
+        if scheduler not in (*SCHEDULERS, "even"):
+            raise ConfigError(f"unknown scheduler {scheduler!r}: choose halda, memory, compute or even")
         path = Path(model_path)
         layout = read_layout(path)
         layout.check_supported()
@@ -92,8 +94,6 @@ class Llama(RingLlama):
         self._transport = Transport(load_keys(keys) if keys else None)
         ident = ModelIdentity(identity=layout.identity, file_name=path.name, n_layer=layout.n_layer,
                               n_embd=layout.n_embd)
-        if scheduler not in (*SCHEDULERS, "even"):
-            raise ConfigError(f"unknown scheduler {scheduler!r}: choose halda, memory, compute or even")
         planned = layers is None and scheduler != "even"
         settings = ClusterSettings(nodes=tuple(nodes), layers=tuple(layers) if layers else None, rounds=rounds or 1,
                                    n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=node_threads,

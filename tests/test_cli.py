@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from primaplug.decoding import Sampler, SamplingParams
 from tests.conftest import synthetic_path
@@ -52,3 +53,22 @@ def test_plan_refuses_a_split_by_hand() -> None:
     for extra in (["--scheduler", "even"], ["--layers", "3,3"]):
         out = run_cli("plan", "--local-nodes", "2", *extra)
         assert out.returncode == 2 and "nothing to plan" in out.stderr, out.stderr
+
+
+def test_synth_refuses_to_overwrite_and_bad_sizes(tmp_path) -> None:
+    existing = tmp_path / "m.gguf"
+    existing.write_bytes(b"x")
+    out = run_cli("synth", str(existing), "--size", "1M")
+    assert out.returncode == 2 and "exists; pass --force" in out.stderr and existing.read_bytes() == b"x"
+    out = run_cli("synth", str(tmp_path / "n.gguf"), "--size", "lots")
+    assert out.returncode == 2 and "a size like 1.5G" in out.stderr
+    out = run_cli("synth", str(tmp_path / "n.gguf"), "--size", "1M", "--type", "Q3_X")
+    assert out.returncode == 2 and "--type must be one of" in out.stderr and not (tmp_path / "n.gguf").exists()
+
+
+def test_an_unknown_scheduler_is_refused_before_anything_opens() -> None:
+    import primaplug
+    from primaplug.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown scheduler 'fastest'.*halda, memory, compute or even"):
+        primaplug.Llama("no-such-model.gguf", nodes=["127.0.0.1:1"], scheduler="fastest")

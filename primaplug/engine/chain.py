@@ -34,8 +34,8 @@ class WindowChain:
     ) -> None:
         # the windows run back to back: their threads spin between them instead of sleeping and being woken for
         # each (a wake-up cost about 0.4 ms per window on a 2-core VM), and sleep after the last one
-        settings = dataclasses.replace(settings or ContextSettings(), poll=max((settings or ContextSettings()).poll,
-                                                                               CHAIN_POLL))
+        base = settings or ContextSettings()
+        settings = dataclasses.replace(base, poll=max(base.poll, CHAIN_POLL))
         n_layer = model.layout.n_layer
         check_cover(windows, n_layer)
         self.model = model

@@ -45,10 +45,9 @@ class Profiling:
     def _measure(self, path: Path, layout: ModelLayout, force: bool) -> None:
         result: DeviceProfile | Exception
         try:
-            types = model_types(profile_model(layout, n_ctx=512, n_batch=512, n_ubatch=512))
-            n = layout.n_layer
-            result = profile_device(self.name, model_types=types, cache_dir=self.cache_dir, force=force,
-                                    model_path=path, layer_bytes=sum(layout.layer_bytes(i) for i in range(n)) // n)
+            model = profile_model(layout, n_ctx=512, n_batch=512, n_ubatch=512)  # its types and layer size
+            result = profile_device(self.name, model_types=model_types(model), cache_dir=self.cache_dir, force=force,
+                                    model_path=path, layer_bytes=model.layer_bytes)
         except Exception as e:  # a thread boundary: hand the failure to the head that asked
             log.exception("profiling failed")
             result = e
