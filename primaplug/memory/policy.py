@@ -86,9 +86,9 @@ def plan_prefetch(windows: Sequence[Sequence[tuple[int, int]]], budget_bytes: in
 
     With keep, the kept fraction is the largest that still leaves room for two streamed windows at once
     (so the next can be prefetched while the current runs), or else for one. A single window that does not fit
-    keeps nothing: keeping as much of it as the budget holds and letting the rest fault in was tried and measured
-    1.65x slower on the emulated cluster (docs/memory.md): the kernel cannot tell kept pages from the streamed
-    ones faulting in beside them and evicts both.
+    keeps nothing: keeping as much of it as the budget holds and letting the rest fault in was tried on the
+    emulated cluster and ran 1.65x slower in a one-off run (docs/memory.md): the kernel cannot tell kept pages
+    from the streamed ones faulting in beside them and evicts both.
     """
     sizes = [sum(n for _, n in w) for w in windows]
     total = sum(sizes)
