@@ -127,7 +127,8 @@ def cmd_node(args: argparse.Namespace) -> int:
         switches=Switches(prefetch=not args.no_prefetch, release=not args.no_release, keep=not args.no_keep))
     settings = NodeSettings(models=tuple(Path(m) for m in args.model), host=host, port=port,
                             name=args.name or platform.node(), secure=keys is not None, memory=memory,
-                            profile_dir=Path(args.profile_dir) if args.profile_dir else None)
+                            profile_dir=Path(args.profile_dir) if args.profile_dir else None,
+                            pin_threads={"auto": None, "0": False, "1": True}[args.cpu_strict])
     transport = Transport(keys)
     try:
         node = Node(settings, transport)
@@ -298,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--no-prefetch", action="store_true", help="do not page windows in ahead of compute")
     node.add_argument("--no-release", action="store_true", help="do not drop a streamed window after it ran")
     node.add_argument("--no-keep", action="store_true", help="keep no part of streamed layers resident")
+    node.add_argument("--cpu-strict", choices=("auto", "0", "1"), default="auto",
+                      help="pin each compute thread to a core of its own (llama.cpp's name): 1 always, 0 never, "
+                      "auto when the threads use every core (default)")
     node.add_argument("--profile-dir", help="where this device's measured profile is cached "
                       "(default ~/.cache/primaplug/profiles; give each emulated device its own)")
     node.set_defaults(func=cmd_node)

@@ -3,6 +3,7 @@ llama-cpp-python on the whole model, for one and several rounds, uneven windows 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -106,5 +107,25 @@ def test_chat_completion_streams_the_same_text(nodes, models) -> None:
         assert "".join(got) == "".join(expected)
         again = ring.create_chat_completion(messages, temperature=0.0, max_tokens=32)  # prefix reuse, no stream
         assert again["choices"][0]["message"]["content"] == "".join(expected)
+    finally:
+        ring.close()
+
+
+def test_node_threads_sleep_between_tokens(nodes, models) -> None:
+    """A node's compute threads poll while its window computes and are put to sleep right after: while the other
+    devices compute (here: nobody), a node takes no CPU."""
+    import psutil
+
+    import primaplug
+
+    ring = primaplug.Llama(models["gemma"], nodes=nodes.addresses, layers=(6, 6, 6), node_threads=2,
+                           **LLAMA_KWARGS)
+    try:
+        greedy_scores(ring, _prompt(models["gemma"])[:20], 4)
+        procs = [psutil.Process(n.proc.pid) for n in nodes.nodes]
+        before = [sum(p.cpu_times()[:2]) for p in procs]
+        time.sleep(1.0)
+        used = [sum(p.cpu_times()[:2]) - b for p, b in zip(procs, before, strict=True)]
+        assert max(used) < 0.1, f"node CPU seconds in one idle second: {used}"
     finally:
         ring.close()

@@ -25,6 +25,7 @@ _LAZY = {
     "Model": "primaplug.engine.model",
     "Window": "primaplug.engine.model",
     "ContextSettings": "primaplug.engine.model",
+    "BUSY_POLL": "primaplug.engine.model",
     "WindowChain": "primaplug.engine.chain",
 }
 

@@ -125,6 +125,11 @@ ggml_threadpool_pause = _ggml_cpu.ggml_threadpool_pause
 ggml_threadpool_pause.argtypes = [ctypes.c_void_p]
 ggml_threadpool_pause.restype = None
 
+# GGML_BACKEND_API void ggml_threadpool_resume(struct ggml_threadpool * threadpool);
+ggml_threadpool_resume = _ggml_cpu.ggml_threadpool_resume
+ggml_threadpool_resume.argtypes = [ctypes.c_void_p]
+ggml_threadpool_resume.restype = None
+
 # LLAMA_API void llama_attach_threadpool(struct llama_context * ctx, ggml_threadpool_t threadpool,
 #                                        ggml_threadpool_t threadpool_batch);
 llama_attach_threadpool = _bind("llama_attach_threadpool", [_ll.llama_context_p_ctypes, ctypes.c_void_p,

@@ -12,9 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from primaplug.core.windows import LayerRange, check_cover
-from primaplug.engine.model import ContextSettings, Model, Window
-
-CHAIN_POLL = 50  # ggml's polling level for windows chained in one process (llama.cpp's own default)
+from primaplug.engine.model import BUSY_POLL, ContextSettings, Model, Window
 
 
 class WindowChain:
@@ -35,7 +33,7 @@ class WindowChain:
         # the windows run back to back: their threads spin between them instead of sleeping and being woken for
         # each (a wake-up cost about 0.4 ms per window on a 2-core VM), and sleep after the last one
         base = settings or ContextSettings()
-        settings = dataclasses.replace(base, poll=max(base.poll, CHAIN_POLL))
+        settings = dataclasses.replace(base, poll=max(base.poll, BUSY_POLL))
         n_layer = model.layout.n_layer
         check_cover(windows, n_layer)
         self.model = model
@@ -54,7 +52,7 @@ class WindowChain:
             for w in self.windows:
                 x = w.forward(x, pos0, seq_id=seq_id, logits=logits)
         finally:
-            self.model.pause_threads()  # windows poll between each other (CHAIN_POLL), never after the last
+            self.model.pause_threads()  # windows poll between each other (BUSY_POLL), never after the last
         return np.asarray(x)
 
     def kv_remove(self, seq_id: int, p0: int, p1: int = -1) -> None:

@@ -21,7 +21,13 @@ from llama_cpp import llama_cpp as _ll
 from primaplug.core.errors import EngineError, WindowRangeError
 from primaplug.core.windows import LayerRange
 from primaplug.engine import _log, _native
+from primaplug.engine.affinity import on_cpu, pinned_cpus
 from primaplug.engine.layout import ModelLayout, read_layout
+
+# ggml's polling level (llama.cpp's own default) for compute threads that are about to be given work: windows
+# chained in one process, and a node's window from the moment its input arrives. Whoever sets it pauses the pool
+# right after the work (Model.pause_threads), so that the threads never spin while another process computes.
+BUSY_POLL = 50
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,9 @@ class ContextSettings:
     # process (WindowChain) poll and pause the pool after the last (Model.pause_threads), so they never spin
     # outside a token
     poll: int = 0
+    # each compute thread on a core of its own: True, False, or None (when the threads use every core the
+    # process may run on; engine/affinity.py says why)
+    pin_threads: bool | None = None
 
     @property
     def threads(self) -> int:
@@ -113,7 +122,7 @@ class Model:
         self._vocab = _ll.llama_model_get_vocab(ptr)
         self._stack = ExitStack()
         self._stack.callback(_ll.llama_model_free, ptr)
-        self._pools: dict[tuple[int, int], int] = {}
+        self._pools: dict[tuple[int, int, bool], tuple[int, int | None]] = {}
 
     # --- windows -------------------------------------------------------------------------------------------
 
@@ -149,23 +158,38 @@ class Model:
             raise WindowRangeError(f"window {rng} outputs logits, but this Model was loaded with output=False")
         return Window(self, rng, hidden, settings or ContextSettings())
 
-    def _threadpool(self, settings: ContextSettings) -> int:
-        """The CPU thread pool shared by this model's windows with the same thread count and poll level."""
-        key = (settings.threads, settings.poll)
+    def _threadpool(self, settings: ContextSettings) -> tuple[int, int | None]:
+        """The CPU thread pool shared by this model's windows with the same settings, and the core its calling
+        thread runs on while it computes (None: not pinned)."""
+        cpus = pinned_cpus(settings.threads, settings.pin_threads)
+        key = (settings.threads, settings.poll, cpus is not None)
         if key not in self._pools:
             params = _native.ggml_threadpool_params_default(settings.threads)
             params.poll = settings.poll
-            pool = _native.ggml_threadpool_new(ctypes.byref(params))
+            if cpus is not None:
+                for cpu in cpus:
+                    params.cpumask[cpu] = True
+                params.strict_cpu = True
+            # ggml pins the thread that creates a strict pool to the pool's own core for good: on_cpu gives it its
+            # cores back. A window pins whichever thread computes, and only while it computes (Window._decode)
+            with on_cpu(cpus[-1] if cpus else None):
+                pool = _native.ggml_threadpool_new(ctypes.byref(params))
             if not pool:
                 raise EngineError(f"could not start a pool of {settings.threads} compute threads")
-            self._pools[key] = pool
+            self._pools[key] = (pool, cpus[-1] if cpus else None)
             self._stack.callback(_native.ggml_threadpool_free, pool)  # after the windows created later
         return self._pools[key]
 
     def pause_threads(self) -> None:
         """Put the compute threads of every pool to sleep now, polling or not; the next call wakes them."""
-        for pool in self._pools.values():
+        for pool, _ in self._pools.values():
             _native.ggml_threadpool_pause(pool)
+
+    def resume_threads(self) -> None:
+        """Wake the paused compute threads now, ahead of a call (they poll until it comes, if polling is on):
+        their wake-up then overlaps with what the caller does before computing."""
+        for pool, _ in self._pools.values():
+            _native.ggml_threadpool_resume(pool)
 
     # --- vocabulary ----------------------------------------------------------------------------------------
 
@@ -214,7 +238,7 @@ class Window:
         self.settings = settings
         self.n_embd = model.layout.n_embd
         self.n_vocab = model.layout.n_vocab
-        pool = model._threadpool(settings)
+        pool, self.cpu = model._threadpool(settings)  # the core the calling thread computes on, if pinned
         ctx = _native.llama_init_window_from_model(model._ptr, settings.params(), layers.start, layers.end,
                                                    output_hidden)
         if not ctx:
@@ -306,7 +330,8 @@ class Window:
                 b.seq_id[k][0] = seq_id
             self._seq = seq_id
         b.n_tokens = n
-        code = _ll.llama_decode(self._ctx, b)
+        with on_cpu(self.cpu):
+            code = _ll.llama_decode(self._ctx, b)
         if code != 0:
             raise EngineError(
                 f"window {self.layers}: llama_decode failed for {n} tokens at positions {pos[0]}..{pos[-1]}"

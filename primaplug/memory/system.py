@@ -108,20 +108,22 @@ def memory_view() -> MemoryView:
 
 def major_faults(exclude_threads: frozenset[int] = frozenset()) -> int:
     """Major page faults of this process so far, leaving out the given threads (native ids) where the OS tells
-    faults per thread (Linux, Android), so that a prefetcher's own faults do not count as compute's."""
-    tasks = Path("/proc/self/task")
-    if exclude_threads and tasks.is_dir():
-        total = 0
-        for task in tasks.iterdir():
-            if int(task.name) in exclude_threads:
-                continue
-            try:
-                stat = (task / "stat").read_text()
-            except OSError:
-                continue
-            total += int(stat.rsplit(")", 1)[1].split()[9])  # field 12, majflt
-        return total
-    return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+    faults per thread (Linux, Android), so that a prefetcher's own faults do not count as compute's.
+
+    Called twice per window on the ring's path, so it reads one small file per excluded thread rather than one
+    per thread of the process (0.3 ms per call with ZeroMQ's threads: 4% of a Gemma 270M token)."""
+    total = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+    for tid in exclude_threads:
+        try:
+            fd = os.open(f"/proc/self/task/{tid}/stat", os.O_RDONLY)
+        except OSError:  # no per-thread counts here, or the thread has gone
+            continue
+        try:
+            stat = os.read(fd, 4096)
+        finally:
+            os.close(fd)
+        total -= int(stat.rsplit(b")", 1)[1].split()[9])  # field 12, majflt
+    return total
 
 
 def rss_bytes() -> int:

@@ -63,6 +63,7 @@ class NodeSettings:
     send_timeout_s: float = 5.0  # how long a ring send waits for a successor before giving up
     memory: MemorySettings = MemorySettings()
     profile_dir: Path | None = None  # where the device profile is cached (default ~/.cache/primaplug/profiles)
+    pin_threads: bool | None = None  # compute threads on a core each: None when they use every core (--cpu-strict)
 
     def check(self) -> None:
         if not self.models:
@@ -236,7 +237,8 @@ class Node:
         with self._lock:  # no compute while deployments change
             self._drop_deployment()
             try:
-                self._deployment = Deployment.load(a, path, layout, self.transport, progress, self.settings.memory)
+                self._deployment = Deployment.load(a, path, layout, self.transport, progress, self.settings.memory,
+                                                   pin_threads=self.settings.pin_threads)
             except Exception as e:
                 log.exception("loading assignment %d failed", a.epoch)
                 self._status = Status(node=self.name, state="failed", epoch=a.epoch, message=str(e))

@@ -11,7 +11,8 @@ import numpy as np
 
 from primaplug.core.errors import PrimaplugError, ProtocolError
 from primaplug.core.windows import LayerRange
-from primaplug.engine import ContextSettings, Model, ModelLayout, Window
+from primaplug.engine import BUSY_POLL, ContextSettings, Model, ModelLayout, Window
+from primaplug.engine.affinity import on_cpu
 from primaplug.memory.policy import plan_prefetch
 from primaplug.memory.prefetcher import Prefetcher, Switches
 from primaplug.memory.system import MemoryView, memory_view
@@ -57,7 +58,8 @@ class Deployment:
 
     @classmethod
     def load(cls, assignment: Assignment, path: str, layout: ModelLayout, transport: Transport,
-             progress: Callable[[float, str], None], memory: MemorySettings = MemorySettings()) -> Deployment:
+             progress: Callable[[float, str], None], memory: MemorySettings = MemorySettings(),
+             pin_threads: bool | None = None) -> Deployment:
         specs = assignment.windows
         ranges = [LayerRange(w.start, w.end) for w in specs]
         used = [r for r in ranges if r.n_layers]
@@ -73,12 +75,13 @@ class Deployment:
         try:
             settings = ContextSettings(n_ctx=assignment.n_ctx, n_batch=assignment.n_batch,
                                        n_ubatch=assignment.n_ubatch, n_threads=assignment.n_threads,
-                                       n_seq_max=assignment.n_seq_max)
+                                       n_seq_max=assignment.n_seq_max, poll=BUSY_POLL, pin_threads=pin_threads)
             windows: list[Window | None] = []
             for i, r in enumerate(ranges):
                 progress(0.1 + 0.85 * i / len(ranges), f"creating window {r} (round {i + 1}/{len(ranges)})")
                 windows.append(model.window(r.start, r.end, output_hidden=True, settings=settings)
                                if r.n_layers else None)
+            model.pause_threads()  # asleep until a message comes (run)
             out = transport.ring_out(assignment.successor)
             prefetcher = Prefetcher(path, plan, memory.switches) if used else None
         except BaseException:
@@ -94,6 +97,18 @@ class Deployment:
 
     def run(self, msg: Activation, rows: np.ndarray) -> tuple[Activation, np.ndarray]:
         """Compute this node's window of the message's round; returns what goes to the successor."""
+        window = self.windows[msg.round] if msg.round < len(self.windows) else None
+        # wake the compute threads first: their wake-up overlaps with checking the message and building the
+        # graph (they poll until the work comes). On the core this thread computes on, if the threads are pinned,
+        # so that a woken thread never spins on the core this thread is still running on.
+        with on_cpu(window.cpu if window is not None else None):
+            self.model.resume_threads()
+            try:
+                return self._run(msg, rows)
+            finally:
+                self.model.pause_threads()  # the successor computes next: no spinning on its cores
+
+    def _run(self, msg: Activation, rows: np.ndarray) -> tuple[Activation, np.ndarray]:
         a = self.assignment
         if msg.round >= len(self.windows):
             raise ProtocolError(f"round {msg.round} does not exist: the assignment has {len(self.windows)} round(s)")
