@@ -128,3 +128,73 @@ def test_plan_command_prints_the_plan_without_deploying(gemma_path: Path) -> Non
     assert "plan by memory: 18 layers, 1 round(s), 3 device(s)" in out.stdout
     assert "links (measured over the ring)" in out.stdout and "predicted" in out.stdout
     assert "node1" in out.stdout and "node2" in out.stdout
+
+
+def _cluster(addresses, gemma_path: Path, timeout_s: float = 2.0):  # noqa: ANN001, ANN202
+    from primaplug.coordinator import Cluster, ClusterSettings
+    from primaplug.engine import read_layout
+    from primaplug.transport import Transport
+    from primaplug.wire import ModelIdentity
+
+    layout = read_layout(gemma_path)
+    t = Transport()
+    ident = ModelIdentity(identity=layout.identity, file_name=gemma_path.name, n_layer=18, n_embd=layout.n_embd)
+    return t, Cluster(t, ClusterSettings(nodes=tuple(addresses), timeout_s=timeout_s), ident)
+
+
+def test_a_node_dying_while_links_are_probed_is_named(gemma_path: Path, tmp_path: Path) -> None:
+    import os
+    import signal
+    import time
+
+    from primaplug.core.errors import NodeUnavailableError
+    from primaplug.launch import LocalNodes
+
+    with LocalNodes(gemma_path, 3, log_dir=tmp_path) as local:
+        t, cluster = _cluster(local.addresses, gemma_path)
+        wait_loaded = cluster._wait_loaded
+
+        def then_kill(*args) -> None:  # noqa: ANN002
+            wait_loaded(*args)
+            os.kill(local.nodes[1].proc.pid, signal.SIGKILL)  # loaded and relaying: gone before the first probe
+
+        cluster._wait_loaded = then_kill
+        try:
+            cluster.connect()
+            t0 = time.monotonic()
+            with pytest.raises(NodeUnavailableError, match="node2") as e:
+                cluster.measure_links()
+            assert "link probe" in str(e.value)
+            assert time.monotonic() - t0 < 3 * 2.0 + 2  # the probe's timeout, then one status request per node
+            assert cluster.nodes[0].status().state == "idle", "the survivors are left unloaded"
+        finally:
+            cluster.close()
+            t.close()
+
+
+def test_a_node_dying_while_it_profiles_is_named(gemma_path: Path, tmp_path: Path) -> None:
+    import os
+    import signal
+    import threading
+
+    from primaplug.core.errors import NodeUnavailableError
+    from primaplug.launch import LocalNodes
+
+    # a profile directory of its own: the node measures afresh, which takes seconds
+    with LocalNodes(gemma_path, 1, log_dir=tmp_path, extra_args=["--profile-dir", str(tmp_path / "p")]) as local:
+        t, cluster = _cluster(local.addresses, gemma_path)
+        try:
+            cluster.connect()
+            said: list[str] = []
+
+            def progress(node: str, frac: float, what: str) -> None:
+                said.append(what)
+                if len(said) == 1:  # the node has started measuring
+                    threading.Timer(0.5, os.kill, (local.nodes[0].proc.pid, signal.SIGKILL)).start()
+
+            with pytest.raises(NodeUnavailableError, match="node1.*GetProfile"):
+                cluster.profiles(progress)
+            assert said and "measuring" in said[0]
+        finally:
+            cluster.close()
+            t.close()

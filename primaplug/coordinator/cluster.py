@@ -142,12 +142,10 @@ class Cluster:
                     msg = Activation(proto=PROTOCOL_VERSION, epoch=epoch, step=step, round=0, seq_id=0, pos0=0,
                                      n_rows=n_rows, width=self.model.n_embd, dtype="float32", all_rows=True)
                     t0 = time.perf_counter()
-                    if not out.send(encode_ring(msg, data), s.timeout_s):
-                        raise NodeUnavailableError(self.nodes[0].name, f"node {self.nodes[0]} took no link probe")
-                    got = self.ring_in.recv(s.timeout_s)
+                    sent = out.send(encode_ring(msg, data), s.timeout_s)
+                    got = self.ring_in.recv(s.timeout_s) if sent else None
                     if got is None:
-                        raise NodeUnavailableError(self.nodes[-1].name, "a link probe did not come back round the "
-                                                   f"ring within {s.timeout_s:.1f} s")
+                        raise self._lost("a link probe", f"{n_rows} row(s), trip {step + 1}")
                     back, _ = decode_ring(got)
                     if not isinstance(back, Activation) or back.step != step:
                         raise ProtocolError(f"a link probe came back as {back!r}")
@@ -156,11 +154,27 @@ class Cluster:
         finally:
             out.close()
             for n in self.nodes:
-                n.unload()
+                try:
+                    n.unload()
+                except (NodeError, NodeUnavailableError) as e:  # already said, or about to be
+                    log.warning("%s", e)
         hops = len(self.nodes) + 1
         extra = times[rows] - times[1]
         bps = hops * (rows - 1) * 4 * self.model.n_embd / extra if extra > 0 else 0.0
         return times[1] / hops, bps
+
+    def _lost(self, what: str, detail: str) -> NodeUnavailableError:
+        """The error for a message that did not come back round the ring: names the first node that no longer
+        answers on its control channel, or says that all of them do."""
+        for n in self.nodes:
+            try:
+                n.status()
+            except NodeUnavailableError:
+                return NodeUnavailableError(n.name, f"node {n} stopped answering: {what} ({detail}) did not come "
+                                            f"back round the ring within {self.settings.timeout_s:.1f} s")
+        return NodeUnavailableError(self.nodes[-1].name, f"{what} ({detail}) did not come back round the ring within "
+                                    f"{self.settings.timeout_s:.1f} s, though every node answers: check that the "
+                                    f"last node, {self.nodes[-1]}, can reach the head at {self.ring_in.address}")
 
     def apply_plan(self, plan: Plan, names: Sequence[str]) -> None:
         """Take the windows of a plan whose devices are the head and then the nodes (`names[i]` is node i's
