@@ -60,7 +60,7 @@ def hop_cost(address: str, model: Path, rows: int, repeats: int) -> float:
     client = NodeClient(t, address)
     client.hello()
     inbox = t.ring_in("127.0.0.1", 0)
-    ident = ModelIdentity(identity=layout.identity, file_name=model.name, n_layer=layout.n_layer, n_embd=layout.n_embd)
+    ident = ModelIdentity.of(layout, model.name)
     client.load(Assignment(epoch=1, model=ident, windows=(WindowSpec(0, 0),), successor=inbox.address, n_ctx=4096,
                            n_batch=512, n_ubatch=512))
     while client.status().state != "ready":

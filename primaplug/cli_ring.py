@@ -100,8 +100,7 @@ def plan_ring(args: argparse.Namespace, path: Path) -> int:
         transport = Transport(load_keys(args.keys) if args.keys else None)
         settings = ClusterSettings(nodes=tuple(addresses), n_ctx=args.ctx_size, n_batch=args.batch_size,
                                    n_ubatch=args.ubatch_size, listen=args.listen, timeout_s=args.timeout)
-        ident = ModelIdentity(identity=layout.identity, file_name=path.name, n_layer=layout.n_layer,
-                              n_embd=layout.n_embd)
+        ident = ModelIdentity.of(layout, path.name)
         cluster = Cluster(transport, settings, ident)
         try:
             cluster.connect()

@@ -92,8 +92,7 @@ class Llama(RingLlama):
         n_batch = min(n_ctx, kwargs.get("n_batch", 512))
         n_ubatch = min(n_batch, kwargs.get("n_ubatch", 512))
         self._transport = Transport(load_keys(keys) if keys else None)
-        ident = ModelIdentity(identity=layout.identity, file_name=path.name, n_layer=layout.n_layer,
-                              n_embd=layout.n_embd)
+        ident = ModelIdentity.of(layout, path.name)
         planned = layers is None and scheduler != "even"
         settings = ClusterSettings(nodes=tuple(nodes), layers=tuple(layers) if layers else None, rounds=rounds or 1,
                                    n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=node_threads,

@@ -66,7 +66,7 @@ def test_links_are_measured_over_the_ring(nodes, gemma_path: Path) -> None:  # n
 
     layout = read_layout(gemma_path)
     t = Transport()
-    ident = ModelIdentity(identity=layout.identity, file_name=gemma_path.name, n_layer=18, n_embd=layout.n_embd)
+    ident = ModelIdentity.of(layout, gemma_path.name)
     cluster = Cluster(t, ClusterSettings(nodes=tuple(nodes.addresses)), ident)
     try:
         cluster.connect()
@@ -138,7 +138,7 @@ def _cluster(addresses, gemma_path: Path, timeout_s: float = 2.0):  # noqa: ANN0
 
     layout = read_layout(gemma_path)
     t = Transport()
-    ident = ModelIdentity(identity=layout.identity, file_name=gemma_path.name, n_layer=18, n_embd=layout.n_embd)
+    ident = ModelIdentity.of(layout, gemma_path.name)
     return t, Cluster(t, ClusterSettings(nodes=tuple(addresses), timeout_s=timeout_s), ident)
 
 

@@ -43,8 +43,7 @@ def one_node_ring(gemma_nodes, gemma_path: Path):
     client = NodeClient(t, gemma_nodes.addresses[0])
     client.hello()
     inbox = t.ring_in("127.0.0.1", 0)
-    ident = ModelIdentity(identity=layout.identity, file_name=gemma_path.name, n_layer=layout.n_layer,
-                          n_embd=layout.n_embd)
+    ident = ModelIdentity.of(layout, gemma_path.name)
     a = Assignment(epoch=42, model=ident, windows=(WindowSpec(0, 6),), successor=inbox.address, n_ctx=128,
                    n_batch=32, n_ubatch=32)
     client.load(a)

@@ -89,8 +89,7 @@ class Node:
         for path in settings.models:
             layout = read_layout(path)
             layout.check_supported()
-            self._models[layout.identity] = (path, layout, ModelIdentity(
-                identity=layout.identity, file_name=path.name, n_layer=layout.n_layer, n_embd=layout.n_embd))
+            self._models[layout.identity] = (path, layout, ModelIdentity.of(layout, path.name))
         self.control = transport.control_server(settings.host, settings.port)
         self.ring: RingIn = transport.ring_in(settings.host, settings.port + 1 if settings.port else 0)
         self._lock = threading.Lock()  # held by the ring loop while it computes, and by a load while it swaps

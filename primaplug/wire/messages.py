@@ -7,7 +7,7 @@ fields they do not know); removing or changing one bumps it.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Protocol
 
 import msgspec
 
@@ -21,6 +21,12 @@ class _Msg(msgspec.Struct, frozen=True, tag_field="kind", forbid_unknown_fields=
     pass
 
 
+class _Layout(Protocol):  # primaplug.engine.ModelLayout fits
+    identity: str
+    n_layer: int
+    n_embd: int
+
+
 class ModelIdentity(msgspec.Struct, frozen=True):
     """Names one exact GGUF: its size plus a hash of its header and tensor table (ModelLayout.identity)."""
 
@@ -28,6 +34,11 @@ class ModelIdentity(msgspec.Struct, frozen=True):
     file_name: str
     n_layer: int
     n_embd: int
+
+    @classmethod
+    def of(cls, layout: _Layout, file_name: str) -> ModelIdentity:
+        """The identity of the GGUF whose layout this is (file_name: its name, shown in messages)."""
+        return cls(identity=layout.identity, file_name=file_name, n_layer=layout.n_layer, n_embd=layout.n_embd)
 
 
 class DeviceFacts(msgspec.Struct, frozen=True):
