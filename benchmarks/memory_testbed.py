@@ -8,8 +8,8 @@ real `primaplug node` in its own cgroup (memory cap, disk read cap) with its own
 at least 1.5x the sum of the caps, joined by emulated Wi-Fi links (3-7 ms). In one run:
 - plain llama-cpp-python on one device capped like the largest node (the paper's llama.cpp baseline);
 - the ring with k = 1 and with the best k >= 2, each with prefetch and release, without prefetch, without
-  release, and without both; windows sized by hand (memory first, the rest by disk speed), the head holding
-  the output layer;
+  release, without both, and streaming layer by layer (--layer-streaming); windows sized by hand (memory
+  first, the rest by disk speed), the head holding the output layer;
 - on a smaller model that fits the caps: the ring with the memory policy on and with every part of it off.
 TTFT, TPOT, per-node major faults per token and memory pressure for each; the ratios the targets name.
 Writes benchmarks/results/memory_testbed.json and memory_testbed.png.
@@ -39,7 +39,8 @@ from benchmarks.testbed.timing import time_greedy  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 CACHE = Path.home() / ".cache" / "primaplug" / "bench"
 VARIANTS = {"prefetch+release": [], "no prefetch": ["--no-prefetch"], "no release": ["--no-release"],
-            "neither": ["--no-prefetch", "--no-release"]}
+            "neither": ["--no-prefetch", "--no-release"],
+            "layer streaming": ["--layer-streaming"]}  # a window that does not fit, layer by layer
 ALL_OFF = ["--no-prefetch", "--no-release", "--no-keep"]
 
 
@@ -221,6 +222,9 @@ def main() -> int:
             tpot(f"k={best} no prefetch") / tpot(f"k={best} prefetch+release"),
         "prefetch vs no prefetch at k=1": tpot("k=1 no prefetch") / tpot("k=1 prefetch+release"),
         "release vs no release at k=best": tpot(f"k={best} no release") / tpot(f"k={best} prefetch+release"),
+        "layer streaming vs whole windows at k=1": tpot("k=1 prefetch+release") / tpot("k=1 layer streaming"),
+        f"layer streaming vs whole windows at k={best}":
+            tpot(f"k={best} prefetch+release") / tpot(f"k={best} layer streaming"),
         "fits: policy on vs off, median TPOT (target within 3%)":
             statistics.median(fit["on"]) / statistics.median(fit["off"]),
     }

@@ -124,7 +124,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     keys = load_keys(args.keys) if args.keys else None
     memory = MemorySettings(
         budget_bytes=args.memory_budget << 20 if args.memory_budget is not None else None,
-        switches=Switches(prefetch=not args.no_prefetch, release=not args.no_release, keep=not args.no_keep))
+        switches=Switches(prefetch=not args.no_prefetch, release=not args.no_release, keep=not args.no_keep,
+                          layers=args.layer_streaming))
     settings = NodeSettings(models=tuple(Path(m) for m in args.model), host=host, port=port,
                             name=args.name or platform.node(), secure=keys is not None, memory=memory,
                             profile_dir=Path(args.profile_dir) if args.profile_dir else None,
@@ -299,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--no-prefetch", action="store_true", help="do not page windows in ahead of compute")
     node.add_argument("--no-release", action="store_true", help="do not drop a streamed window after it ran")
     node.add_argument("--no-keep", action="store_true", help="keep no part of streamed layers resident")
+    node.add_argument("--layer-streaming", action="store_true",
+                      help="stream a window that does not fit layer by layer, keeping part of every layer "
+                      "(fewer bytes read, less prefetch ahead; docs/memory.md)")
     node.add_argument("--cpu-strict", choices=("auto", "0", "1"), default="auto",
                       help="pin each compute thread to a core of its own (llama.cpp's name): 1 always, 0 never, "
                       "auto when the threads use every core (default)")

@@ -90,3 +90,52 @@ def test_a_head_whose_windows_do_not_fit_streams_them(streaming_model: Path, tmp
         finally:
             llm.close()
     assert tokens == expected
+
+
+
+def _released_per_token(model: Path, log_dir: Path, node_args: list[str]) -> tuple[list[int], list[float]]:
+    """Greedy tokens, and the bytes each node released per decoded token (the prompt left out)."""
+    import numpy as np
+
+    import primaplug
+    from primaplug.launch import LocalNodes
+
+    with LocalNodes(model, 2, log_dir=log_dir, extra_args=node_args) as local:
+        llm = primaplug.Llama(model, nodes=local.addresses, scheduler="even", node_threads=1, **LLAMA_KWARGS)
+        try:
+            llm.reset()
+            llm.eval([3 + 5 * i for i in range(40)])
+            before = [n.status(detail=True).bytes_released for n in llm.cluster.nodes]
+            tokens = []
+            for _ in range(8):
+                tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+                llm.eval([tokens[-1]])
+            after = [n.status(detail=True).bytes_released for n in llm.cluster.nodes]
+        finally:
+            llm.close()
+    return tokens, [(a - b) / 8 for a, b in zip(after, before, strict=True)]
+
+
+def test_streaming_layer_by_layer_keeps_part_of_every_layer(streaming_model: Path, tmp_path: Path) -> None:
+    """A window larger than the budget: whole-window streaming can keep none of it and re-reads it all every
+    token; layer by layer, each layer is released as soon as it is done, so a part of every layer stays resident
+    and is never released or read again. Same tokens either way."""
+    from primaplug.core import LayerRange
+    from primaplug.engine import read_layout
+    from primaplug.memory.policy import plan_prefetch
+
+    layout = read_layout(streaming_model)
+    window = LayerRange(0, layout.n_layer // 2)  # each of the two nodes holds half the layers
+    window_bytes = sum(n for _, n in layout.window_ranges(window))
+    budget_mib = int(window_bytes * 0.8) // MiB
+    per_layer = plan_prefetch([layout.window_ranges(LayerRange(i, i + 1)) for i in range(window.start, window.end)],
+                              budget_mib * MiB)
+    assert per_layer.keep_fraction > 0.3  # what the node plans, layer by layer, with this budget
+
+    budget = ["--memory-budget", str(budget_mib)]
+    whole_tokens, whole = _released_per_token(streaming_model, tmp_path / "a", budget)
+    layer_tokens, layered = _released_per_token(streaming_model, tmp_path / "b", [*budget, "--layer-streaming"])
+    assert layer_tokens == whole_tokens
+    for w, s in zip(whole, layered, strict=True):
+        assert w >= 0.9 * window_bytes, "whole windows: all of it released, and re-read, every token"
+        assert 0 < s <= (1 - per_layer.keep_fraction) * window_bytes * 1.05, (s, window_bytes)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -23,6 +23,7 @@ from primaplug.core.windows import LayerRange
 from primaplug.engine import _log, _native
 from primaplug.engine.affinity import on_cpu, pinned_cpus
 from primaplug.engine.layout import ModelLayout, read_layout
+from primaplug.engine.progress import LayerProgress
 
 # ggml's polling level (llama.cpp's own default) for compute threads that are about to be given work: windows
 # chained in one process, and a node's window from the moment its input arrives. Whoever sets it pauses the pool
@@ -133,11 +134,13 @@ class Model:
         *,
         output_hidden: bool | None = None,
         settings: ContextSettings | None = None,
+        on_layer: Callable[[int], None] | None = None,
     ) -> Window:
         """Open a context over layers [start, end) of this model.
 
         output_hidden defaults to True for a window that ends before the last layer, False otherwise.
         [n_layer, n_layer) is the output-only window: hidden state in, logits out.
+        on_layer(il) is called from the computing thread when layer il starts (engine/progress.py).
         """
         rng = LayerRange(start, end)
         n_layer = self.layout.n_layer
@@ -156,7 +159,7 @@ class Model:
             )
         if not hidden and not self.output:
             raise WindowRangeError(f"window {rng} outputs logits, but this Model was loaded with output=False")
-        return Window(self, rng, hidden, settings or ContextSettings())
+        return Window(self, rng, hidden, settings or ContextSettings(), on_layer)
 
     def _threadpool(self, settings: ContextSettings) -> tuple[int, int | None]:
         """The CPU thread pool shared by this model's windows with the same settings, and the core its calling
@@ -231,7 +234,8 @@ class Model:
 class Window:
     """A llama.cpp context that computes layers [start, end) of a Model. Create it with Model.window()."""
 
-    def __init__(self, model: Model, layers: LayerRange, output_hidden: bool, settings: ContextSettings) -> None:
+    def __init__(self, model: Model, layers: LayerRange, output_hidden: bool, settings: ContextSettings,
+                 on_layer: Callable[[int], None] | None = None) -> None:
         self.model = model
         self.layers = layers
         self.output_hidden = output_hidden
@@ -239,8 +243,11 @@ class Window:
         self.n_embd = model.layout.n_embd
         self.n_vocab = model.layout.n_vocab
         pool, self.cpu = model._threadpool(settings)  # the core the calling thread computes on, if pinned
-        ctx = _native.llama_init_window_from_model(model._ptr, settings.params(), layers.start, layers.end,
-                                                   output_hidden)
+        params = settings.params()
+        self._progress = LayerProgress(on_layer) if on_layer is not None else None
+        if self._progress is not None:
+            params.cb_eval = self._progress.callback
+        ctx = _native.llama_init_window_from_model(model._ptr, params, layers.start, layers.end, output_hidden)
         if not ctx:
             raise EngineError(f"could not create window {layers}: {_log.take_errors() or 'see the log'}")
         self._ctx = ctx
@@ -330,6 +337,8 @@ class Window:
                 b.seq_id[k][0] = seq_id
             self._seq = seq_id
         b.n_tokens = n
+        if self._progress is not None:
+            self._progress.reset()
         with on_cpu(self.cpu):
             code = _ll.llama_decode(self._ctx, b)
         if code != 0:

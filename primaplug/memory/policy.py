@@ -32,6 +32,7 @@ class PrefetchPlan:
     stream: tuple[Ranges, ...]  # per window: prefetched before it runs, released after
     early: bool  # whether the next window's prefetch starts when the current one starts (two fit at once)
     keep_fraction: float
+    unit: str = "window"  # what one entry of `stream` is: a window, or a layer when a node streams layer by layer
 
     @property
     def prefetch_room(self) -> int:
@@ -62,9 +63,13 @@ class PrefetchPlan:
     def describe(self) -> str:
         if self.mode == "resident":
             return f"all windows fit in {self.budget_bytes >> 20} MiB: kept resident, no windowing"
-        return (f"streaming {', '.join(f'{b >> 20} MiB' for b in self.stream_bytes)} per window, keeping "
-                f"{self.keep_fraction:.0%} of every layer ({self.keep_bytes >> 20} MiB), prefetch "
-                f"{'when the previous window starts' if self.early else 'after the previous window is released'}")
+        sizes = self.stream_bytes
+        each = ", ".join(f"{b >> 20} MiB" for b in sizes) if len(sizes) <= 4 else \
+            f"{len(sizes)} x {sum(sizes) // len(sizes) >> 20} MiB"
+        when = "starts" if self.early else "is released"
+        return (f"streaming {each} per {self.unit}, keeping {self.keep_fraction:.0%} of every layer "
+                f"({self.keep_bytes >> 20} MiB) within {self.budget_bytes >> 20} MiB, prefetch when the previous "
+                f"{self.unit} {when}")
 
 
 def _split(ranges: Sequence[tuple[int, int]], fraction: float) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -81,16 +86,19 @@ def _split(ranges: Sequence[tuple[int, int]], fraction: float) -> tuple[list[tup
 
 
 def plan_prefetch(windows: Sequence[Sequence[tuple[int, int]]], budget_bytes: int, *,
-                  keep: bool = True) -> PrefetchPlan:
-    """Plan for windows given as their tensors' byte ranges, within a budget for weights (bytes).
+                  keep: bool = True, unit: str = "window") -> PrefetchPlan:
+    """Plan for windows (or layers: `unit`) given as their tensors' byte ranges, within a budget for weights.
 
-    With keep, the kept fraction is the largest that still leaves room for two streamed windows at once
+    With keep, the kept fraction is the largest that still leaves room for two streamed units at once
     (so the next can be prefetched while the current runs), or else for one. A single window that does not fit
     keeps nothing: keeping as much of it as the budget holds and letting the rest fault in was tried on the
     emulated cluster and ran 1.65x slower in a one-off run (docs/memory.md): the kernel cannot tell kept pages
-    from the streamed ones faulting in beside them and evicts both.
+    from the streamed ones faulting in beside them and evicts both. With --layer-streaming a node plans such a
+    window layer by layer instead (node/deployment.py), releasing each layer as soon as it is done.
     """
-    sizes = [sum(n for _, n in w) for w in windows]
+    # sizes in whole pages: the kernel keeps and drops whole pages, and a layer's tensors rarely start on one
+    # (with a layer per unit the rounding came to some 30 pages over the budget)
+    sizes = [sum(-(-(off + n) // PAGE) - off // PAGE for off, n in w) * PAGE for w in windows]
     total = sum(sizes)
     if total <= budget_bytes or not windows:
         return PrefetchPlan("resident", budget_bytes, tuple(r for w in windows for r in w), tuple(() for _ in windows),
@@ -108,7 +116,7 @@ def plan_prefetch(windows: Sequence[Sequence[tuple[int, int]]], budget_bytes: in
         k, s = _split(w, fraction)
         kept += k
         streamed.append(tuple(s))
-    return PrefetchPlan("stream", budget_bytes, tuple(kept), tuple(streamed), early, fraction)
+    return PrefetchPlan("stream", budget_bytes, tuple(kept), tuple(streamed), early, fraction, unit)
 
 
 class Schedule:

@@ -22,6 +22,7 @@ class Switches:
     prefetch: bool = True
     release: bool = True
     keep: bool = True
+    layers: bool = False  # a node that streams goes layer by layer (True) or whole windows (docs/memory.md: why off)
 
 
 @dataclass

@@ -46,6 +46,58 @@ def weights_budget(layout: ModelLayout, windows: list[LayerRange], n_ctx: int, n
             - int(MARGIN * view.total_bytes))
 
 
+class _Units:
+    """Where each round's window sits in the node's prefetch plan, and the events that drive the plan.
+
+    A node whose windows fit, or that streams whole windows (the default), has one unit per window: prefetched
+    before it runs, released after. With --layer-streaming a node that streams goes layer by layer: one unit per layer,
+    the window telling which layer it computes (engine/progress.py), so that each layer's streamed weights go as
+    soon as it is done and the next layer's come in while it computes. Memory then never holds more than the plan
+    says, which lets the kept part of every layer stay resident; streaming whole windows could keep nothing of a
+    window larger than the budget (the kernel evicted kept pages along with the streamed ones, docs/memory.md).
+    """
+
+    def __init__(self, *, per_layer: bool) -> None:
+        self.per_layer = per_layer
+        self.first: dict[int, int] = {}  # round -> index of its window's first unit
+        self.prefetcher: Prefetcher | None = None
+        self._start: dict[int, int] = {}  # round -> the window's first layer
+        self._n = 0
+        self._current: int | None = None
+
+    def add(self, round_: int, window: LayerRange) -> None:
+        if window.n_layers:
+            self.first[round_], self._start[round_] = self._n, window.start
+            self._n += window.n_layers if self.per_layer else 1
+
+    def hook(self, round_: int, window: LayerRange) -> Callable[[int], None] | None:
+        """The window's on_layer callback (layer by layer only)."""
+        if not self.per_layer or not window.n_layers:
+            return None
+        return lambda il: self._layer(self.first[round_] + il - window.start)
+
+    def _layer(self, unit: int) -> None:  # from the computing thread
+        p = self.prefetcher
+        if p is None or unit == self._current:
+            return
+        if self._current is not None:
+            p.window_done(self._current, last_of_token=False)
+        p.window_started(unit)  # asks for the next layer's prefetch
+        self._current = unit
+
+    def done(self, round_: int) -> None:
+        """The round's output has been sent: its last unit is done."""
+        p = self.prefetcher
+        last_round = round_ == max(self.first)
+        if p is None:
+            return
+        if not self.per_layer:
+            p.window_done(self.first[round_], last_of_token=last_round)
+        elif self._current is not None:
+            p.window_done(self._current, last_of_token=last_round)
+            self._current = None
+
+
 @dataclass
 class Deployment:
     assignment: Assignment
@@ -54,7 +106,7 @@ class Deployment:
     out: RingOut
     n_layer: int
     prefetcher: Prefetcher | None = None  # None for a node that only relays
-    streamed: dict[int, int] = field(default_factory=dict)  # round -> index of its window in the prefetch plan
+    units: _Units = field(default_factory=lambda: _Units(per_layer=False))  # where each round is in the plan
 
     @classmethod
     def load(cls, assignment: Assignment, path: str, layout: ModelLayout, transport: Transport,
@@ -67,7 +119,12 @@ class Deployment:
         a = assignment
         budget = memory.budget_bytes if memory.budget_bytes is not None else \
             weights_budget(layout, used, a.n_ctx, a.n_batch, a.n_ubatch, memory_view())
-        plan = plan_prefetch([layout.window_ranges(r) for r in used], budget, keep=memory.switches.keep)
+        sw = memory.switches
+        plan = plan_prefetch([layout.window_ranges(r) for r in used], budget, keep=sw.keep)
+        units = _Units(per_layer=plan.mode == "stream" and sw.layers)
+        if units.per_layer:  # stream layer by layer (see _Units)
+            plan = plan_prefetch([layout.window_ranges(LayerRange(il, il + 1)) for r in used
+                                  for il in range(r.start, r.end)], budget, keep=sw.keep, unit="layer")
         progress(0.05, f"mapping {os.path.basename(path)} for windows {', '.join(map(str, used)) or '(relay only)'}"
                        f"; {plan.describe()}")
         # streamed weights must stay backed by the file: repacking would copy them into anonymous memory
@@ -79,17 +136,17 @@ class Deployment:
             windows: list[Window | None] = []
             for i, r in enumerate(ranges):
                 progress(0.1 + 0.85 * i / len(ranges), f"creating window {r} (round {i + 1}/{len(ranges)})")
-                windows.append(model.window(r.start, r.end, output_hidden=True, settings=settings)
-                               if r.n_layers else None)
+                units.add(i, r)
+                windows.append(model.window(r.start, r.end, output_hidden=True, settings=settings,
+                                            on_layer=units.hook(i, r)) if r.n_layers else None)
             model.pause_threads()  # asleep until a message comes (run)
             out = transport.ring_out(assignment.successor)
             prefetcher = Prefetcher(path, plan, memory.switches) if used else None
         except BaseException:
             model.close()
             raise
-        rounds = [i for i, r in enumerate(ranges) if r.n_layers]
-        return cls(assignment, model, windows, out, model.layout.n_layer, prefetcher,
-                   {r: i for i, r in enumerate(rounds)})
+        units.prefetcher = prefetcher
+        return cls(assignment, model, windows, out, model.layout.n_layer, prefetcher, units)
 
     @property
     def epoch(self) -> int:
@@ -125,8 +182,8 @@ class Deployment:
             raise ProtocolError(f"window {window.layers} takes {want}, got {msg.dtype} rows of width {msg.width}")
         if not window.takes_tokens and msg.width != window.n_embd:
             raise ProtocolError(f"hidden states of width {msg.width}, the model's n_embd is {window.n_embd}")
-        if self.prefetcher is not None:
-            self.prefetcher.window_started(self.streamed[msg.round])
+        if self.prefetcher is not None and not self.units.per_layer:
+            self.prefetcher.window_started(self.units.first[msg.round])
         try:
             out = window.forward(rows[:, 0] if window.takes_tokens else rows, msg.pos0, seq_id=msg.seq_id)
         except ValueError as e:
@@ -135,9 +192,8 @@ class Deployment:
 
     def sent(self, msg: Activation) -> None:
         """The round's output has gone to the successor: its streamed weights can go."""
-        if self.prefetcher is not None and msg.round in self.streamed:
-            i = self.streamed[msg.round]
-            self.prefetcher.window_done(i, last_of_token=i == len(self.streamed) - 1)
+        if self.prefetcher is not None and msg.round in self.units.first:
+            self.units.done(msg.round)
 
     def apply(self, op: KvOp) -> None:
         for w in self.windows:
