@@ -69,6 +69,9 @@ def test_on_cpu_restores_the_threads_cores() -> None:
     assert os.sched_getaffinity(0) == mine
     with affinity.on_cpu(None):
         assert os.sched_getaffinity(0) == mine
+    with affinity.on_cpu(4095):  # a core this process may not use (no machine here has 4096): runs unpinned
+        assert os.sched_getaffinity(0) == mine
+    assert os.sched_getaffinity(0) == mine
 
 
 def _single_core_threads(pid: int) -> int:

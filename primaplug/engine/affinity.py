@@ -47,7 +47,11 @@ def on_cpu(cpu: int | None) -> Iterator[None]:
         yield
         return
     before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {cpu})
+    try:
+        os.sched_setaffinity(0, {cpu})
+    except OSError:  # the core was taken from this process since (a cpuset changed): compute unpinned
+        yield
+        return
     try:
         yield
     finally:
