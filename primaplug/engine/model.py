@@ -165,6 +165,7 @@ class Model:
         """The CPU thread pool shared by this model's windows with the same settings, and the core its calling
         thread runs on while it computes (None: not pinned)."""
         cpus = pinned_cpus(settings.threads, settings.pin_threads)
+        main = cpus[-1] if cpus else None  # ggml's order: the workers first, the calling thread last
         key = (settings.threads, settings.poll, cpus is not None)
         if key not in self._pools:
             params = _native.ggml_threadpool_params_default(settings.threads)
@@ -175,11 +176,11 @@ class Model:
                 params.strict_cpu = True
             # ggml pins the thread that creates a strict pool to the pool's own core for good: on_cpu gives it its
             # cores back. A window pins whichever thread computes, and only while it computes (Window._decode)
-            with on_cpu(cpus[-1] if cpus else None):
+            with on_cpu(main):
                 pool = _native.ggml_threadpool_new(ctypes.byref(params))
             if not pool:
                 raise EngineError(f"could not start a pool of {settings.threads} compute threads")
-            self._pools[key] = (pool, cpus[-1] if cpus else None)
+            self._pools[key] = (pool, main)
             self._stack.callback(_native.ggml_threadpool_free, pool)  # after the windows created later
         return self._pools[key]
 

@@ -61,13 +61,12 @@ class _Units:
         self.per_layer = per_layer
         self.first: dict[int, int] = {}  # round -> index of its window's first unit
         self.prefetcher: Prefetcher | None = None
-        self._start: dict[int, int] = {}  # round -> the window's first layer
         self._n = 0
         self._current: int | None = None
 
     def add(self, round_: int, window: LayerRange) -> None:
         if window.n_layers:
-            self.first[round_], self._start[round_] = self._n, window.start
+            self.first[round_] = self._n
             self._n += window.n_layers if self.per_layer else 1
 
     def hook(self, round_: int, window: LayerRange) -> Callable[[int], None] | None:
@@ -75,6 +74,11 @@ class _Units:
         if not self.per_layer or not window.n_layers:
             return None
         return lambda il: self._layer(self.first[round_] + il - window.start)
+
+    def started(self, round_: int) -> None:
+        """The round's window is about to compute (whole windows; layer by layer, the window says when)."""
+        if self.prefetcher is not None and not self.per_layer:
+            self.prefetcher.window_started(self.first[round_])
 
     def _layer(self, unit: int) -> None:  # from the computing thread
         p = self.prefetcher
@@ -88,9 +92,9 @@ class _Units:
     def done(self, round_: int) -> None:
         """The round's output has been sent: its last unit is done."""
         p = self.prefetcher
-        last_round = round_ == max(self.first)
         if p is None:
             return
+        last_round = round_ == max(self.first)
         if not self.per_layer:
             p.window_done(self.first[round_], last_of_token=last_round)
         elif self._current is not None:
@@ -182,8 +186,7 @@ class Deployment:
             raise ProtocolError(f"window {window.layers} takes {want}, got {msg.dtype} rows of width {msg.width}")
         if not window.takes_tokens and msg.width != window.n_embd:
             raise ProtocolError(f"hidden states of width {msg.width}, the model's n_embd is {window.n_embd}")
-        if self.prefetcher is not None and not self.units.per_layer:
-            self.prefetcher.window_started(self.units.first[msg.round])
+        self.units.started(msg.round)
         try:
             out = window.forward(rows[:, 0] if window.takes_tokens else rows, msg.pos0, seq_id=msg.seq_id)
         except ValueError as e:
@@ -192,7 +195,7 @@ class Deployment:
 
     def sent(self, msg: Activation) -> None:
         """The round's output has gone to the successor: its streamed weights can go."""
-        if self.prefetcher is not None and msg.round in self.units.first:
+        if msg.round in self.units.first:
             self.units.done(msg.round)
 
     def apply(self, op: KvOp) -> None:
