@@ -223,6 +223,9 @@ def _ring_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, help="rounds per token, k (default: the scheduler's choice, else 1)")
     p.add_argument("--slow-disk", type=float, default=400, metavar="MB/s",
                    help="disks reading at most this fast never stream layers under halda (default 400)")
+    p.add_argument("--latency-model", choices=("ring", "paper"), default="ring",
+                   help="what halda minimises: ring (disks overlap the other devices' work, as the nodes prefetch; "
+                        "the default) or paper (prima.cpp's Eq. 11, every device's time added up); docs/halda.md")
     p.add_argument("--reprofile", action="store_true", help="measure every device again, ignoring cached profiles")
     p.add_argument("-c", "--ctx-size", type=int, default=4096)
     p.add_argument("-b", "--batch-size", type=int, default=512)

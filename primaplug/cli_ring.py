@@ -82,7 +82,8 @@ def _plan_settings(args: argparse.Namespace) -> Any:
     """The planning flags; the scheduler is passed on its own (`even` plans nothing)."""
     from primaplug.planning import PlanSettings
 
-    return PlanSettings(rounds=args.rounds, slow_disk_bps=args.slow_disk * 1e6, force_profile=args.reprofile)
+    return PlanSettings(rounds=args.rounds, slow_disk_bps=args.slow_disk * 1e6, force_profile=args.reprofile,
+                        latency_model=args.latency_model)
 
 
 def plan_ring(args: argparse.Namespace, path: Path) -> int:

@@ -48,8 +48,8 @@ class Llama(RingLlama):
             (layers in proportion to memory, exo's rule) or "compute" (to compute speed, Galaxy's), or "even"
             (split evenly over the nodes, nothing measured).
         rounds: how many times a token goes round the ring (each device runs one window per round); None: the
-            scheduler's choice (Halda's latency model always picks 1), or 1 for a manual or even split.
-        plan_settings: finer planning settings (slow-disk threshold, profile cache, re-measuring).
+            scheduler's choice (Halda picks k with the ring's latency model), or 1 for a manual or even split.
+        plan_settings: finer planning settings (latency model, slow-disk threshold, profile cache, re-measuring).
         keys: the cluster key file (`primaplug keygen`); required when any node is off this machine.
         listen: the address the head receives the ring's output on.
         timeout_s: how long a silent node may take before generation stops with an error naming it.

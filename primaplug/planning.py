@@ -17,7 +17,7 @@ from primaplug.coordinator import Cluster
 from primaplug.core.profiles import DeviceProfile, ModelProfile
 from primaplug.engine import ModelLayout
 from primaplug.profiler import model_types, profile_device, profile_model
-from primaplug.scheduler import DEFAULT_SLOW_DISK_BPS, Plan, Scheduler, solve
+from primaplug.scheduler import DEFAULT_SLOW_DISK_BPS, LatencyModel, Plan, Scheduler, solve
 
 HEAD = "head"
 
@@ -27,6 +27,7 @@ class PlanSettings:
     scheduler: Scheduler = "halda"
     rounds: int | None = None  # None: the scheduler picks k
     slow_disk_bps: float = DEFAULT_SLOW_DISK_BPS  # disks at most this fast never stream layers (Halda)
+    latency_model: LatencyModel = "ring"  # what Halda minimises and plans are scored by (docs/halda.md)
     profile_dir: str | None = None  # the head's profile cache (default ~/.cache/primaplug/profiles)
     force_profile: bool = False  # measure every device again
 
@@ -59,6 +60,6 @@ def measure(cluster: Cluster, path: str | os.PathLike[str], layout: ModelLayout,
 def plan_cluster(cluster: Cluster, measured: Measured, settings: PlanSettings) -> Plan:
     """Solve for the measured cluster and give the cluster the plan's windows (dropped nodes leave it)."""
     plan = solve(measured.devices, measured.model, scheduler=settings.scheduler, rounds=settings.rounds,
-                 slow_disk_bps=settings.slow_disk_bps)
+                 slow_disk_bps=settings.slow_disk_bps, latency_model=settings.latency_model)
     cluster.apply_plan(plan, [d.name for d in measured.devices[1:]])
     return plan

@@ -84,6 +84,13 @@ def test_a_single_window_that_does_not_fit_is_streamed_whole() -> None:
     assert plan.mode == "stream" and not plan.early and plan.keep_bytes == 0
     assert plan.prefetch_room == 20 * MiB and sum(n for _, n in plan.prefetch_ranges(0)) == 20 * MiB
     assert Schedule(plan).done(0) == [Action("release", 0), Action("prefetch", 0)]
+    assert plan.unprefetched_bytes(0) == 12 * MiB  # what faults in as the window computes
+
+
+def test_what_a_prefetch_leaves_to_fault_in() -> None:
+    assert plan_prefetch(WINDOWS, 24 * MiB).unprefetched_bytes(1) == 0  # a window fits the room: none
+    plan = plan_prefetch([WINDOWS[0] + WINDOWS[1]] * 2, 20 * MiB)  # two windows larger than the budget
+    assert [plan.unprefetched_bytes(w) for w in range(2)] == [12 * MiB, 12 * MiB]
 
 def test_a_single_window_without_keep_streams_it_all() -> None:
     plan = plan_prefetch([WINDOWS[0] + WINDOWS[1]], 20 * MiB, keep=False)

@@ -3,6 +3,7 @@ tokens stay those of the same nodes without prefetch, and the nodes report what 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -110,10 +111,23 @@ def _released_per_token(model: Path, log_dir: Path, node_args: list[str]) -> tup
             for _ in range(8):
                 tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
                 llm.eval([tokens[-1]])
-            after = [n.status(detail=True).bytes_released for n in llm.cluster.nodes]
+            after = _settled(lambda: [n.status(detail=True).bytes_released for n in llm.cluster.nodes])
         finally:
             llm.close()
     return tokens, [(a - b) / 8 for a, b in zip(after, before, strict=True)]
+
+
+def _settled(read, timeout_s: float = 5.0):  # noqa: ANN001, ANN202
+    """The value once it stops changing: a node's prefetcher counts a release after the window that asked for it
+    has returned."""
+    value, end = read(), time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        time.sleep(0.2)
+        again = read()
+        if again == value:
+            break
+        value = again
+    return value
 
 
 def test_streaming_layer_by_layer_keeps_part_of_every_layer(streaming_model: Path, tmp_path: Path) -> None:

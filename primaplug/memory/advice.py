@@ -13,12 +13,14 @@ import logging
 import os
 import sys
 from collections.abc import Iterable
+from pathlib import Path
 
 from primaplug.memory.residency import PAGE, _libc
 
 log = logging.getLogger(__name__)
 
 MADV_RANDOM = 1
+MADV_SEQUENTIAL = 2
 MADV_WILLNEED = 3
 MADV_DONTNEED = 4
 MADV_POPULATE_READ = 22  # Linux 5.14+
@@ -62,6 +64,15 @@ def _mapped(regions: list[tuple[int, int, int]], start: int, length: int) -> lis
     return out
 
 
+def readahead_kb(path: str, default: int = 128) -> int:
+    """The read-ahead size of the disk holding `path` (Linux: /sys/class/bdi), else `default` (the kernel's)."""
+    dev = os.stat(path).st_dev
+    try:
+        return int(Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb").read_text())
+    except (OSError, ValueError):
+        return default
+
+
 def _pages(offset: int, length: int, limit: int) -> tuple[int, int]:
     start = offset // PAGE * PAGE
     end = min(limit, -(-(offset + length) // PAGE) * PAGE)
@@ -81,28 +92,49 @@ class Advisor:
                      else "pread of the range into the page cache")
         self.release_mode = ("madvise(MADV_DONTNEED) + posix_fadvise(DONTNEED)" if self.mapping
                              else "posix_fadvise(DONTNEED) only (mapped pages stay)")
+        self.readahead_bytes = 2 * readahead_kb(path) * 1024
         for addr, _, n in self.mapping:  # no readahead around faults: the prefetcher reads windows
             _madvise(addr, n, MADV_RANDOM)
         self._buf = bytearray(READ_CHUNK)
 
-    def prefetch(self, ranges: Iterable[tuple[int, int]]) -> int:
-        """Bring the ranges into memory; returns the bytes asked for. Blocks (call it from a thread)."""
+    def prefetch(self, ranges: Iterable[tuple[int, int]], *, sequential: bool = False) -> int:
+        """Bring the ranges into memory; returns the bytes asked for. Blocks (call it from a thread).
+
+        `sequential` lets the kernel read ahead in large requests while the ranges are populated (advised
+        MADV_SEQUENTIAL, then MADV_RANDOM again). Under MADV_RANDOM populating reads one page per request, which
+        held prefetch below a throttled disk's rate (docs/memory.md). Read-ahead runs up to two read-ahead
+        windows past the page that started it, so the prefetch's last `readahead_bytes` are read page by page:
+        it never brings in what was not asked for, which would go over the node's budget.
+        """
+        spans = [_pages(off, n, self.size) for off, n in ranges]
+        ahead_until = sum(n for _, n in spans) - self.readahead_bytes if sequential else 0
         done = 0
-        for off, n in ranges:
-            start, length = _pages(off, n, self.size)
+        for start, length in spans:
             pieces = _mapped(self.mapping, start, length) if self.populate else []
-            if pieces:
-                for addr, n_bytes in pieces:
-                    if _madvise(addr, n_bytes, MADV_POPULATE_READ) != 0 and ctypes.get_errno() == EINVAL:
-                        self.populate = False  # kernel older than 5.14: read instead
-                        self.mode = "pread of the range into the page cache (no MADV_POPULATE_READ)"
-                        log.info("prefetch falls back to reading: this kernel has no MADV_POPULATE_READ")
-                        self._read(start, length)
-                        break
-            else:
+            pos = done
+            for addr, n_bytes in pieces:
+                ahead = max(0, min(n_bytes, ahead_until - pos)) // PAGE * PAGE
+                if ahead:
+                    _madvise(addr, ahead, MADV_SEQUENTIAL)
+                ok = self._populate(addr, n_bytes)
+                if ahead:
+                    _madvise(addr, ahead, MADV_RANDOM)
+                pos += n_bytes
+                if not ok:
+                    self._read(start, length)
+                    break
+            if not pieces:
                 self._read(start, length)
             done += length
         return done
+
+    def _populate(self, addr: int, n_bytes: int) -> bool:
+        if _madvise(addr, n_bytes, MADV_POPULATE_READ) != 0 and ctypes.get_errno() == EINVAL:
+            self.populate = False  # kernel older than 5.14: read instead
+            self.mode = "pread of the range into the page cache (no MADV_POPULATE_READ)"
+            log.info("prefetch falls back to reading: this kernel has no MADV_POPULATE_READ")
+            return False
+        return True
 
     def _read(self, start: int, length: int) -> None:
         view = memoryview(self._buf)

@@ -41,6 +41,10 @@ class PrefetchPlan:
         room = self.budget_bytes - self.keep_bytes
         return max(0, room // 2 if self.early else room)
 
+    def unprefetched_bytes(self, window: int) -> int:
+        """What of the window's streamed part a prefetch cannot bring in (it faults in as the window computes)."""
+        return max(0, self.stream_bytes[window] - self.prefetch_room)
+
     def prefetch_ranges(self, window: int) -> Ranges:
         out, left = [], self.prefetch_room
         for off, n in self.stream[window]:

@@ -1,21 +1,27 @@
-"""Where each layer runs: Halda (prima.cpp's scheduler) and two heuristic baselines over the latency model.
+"""Where each layer runs: Halda (prima.cpp's scheduler) and two heuristic baselines, over the paper's latency model
+or the ring's (ring.py).
 
 Pure: imports only primaplug.core, numpy and (lazily, when a plan is solved) highspy.
 """
 
 from primaplug.scheduler.latency import DEFAULT_SLOW_DISK_BPS, DeviceSet, Prediction, predict_latency
 from primaplug.scheduler.plan import DevicePlan, DroppedDevice, Plan
-from primaplug.scheduler.solve import SCHEDULERS, Scheduler, solve
+from primaplug.scheduler.ring import RingPrediction, predict_ring
+from primaplug.scheduler.solve import LATENCY_MODELS, SCHEDULERS, LatencyModel, Scheduler, solve
 
 __all__ = [
     "DEFAULT_SLOW_DISK_BPS",
+    "LATENCY_MODELS",
     "SCHEDULERS",
     "DevicePlan",
     "DeviceSet",
     "DroppedDevice",
+    "LatencyModel",
     "Plan",
     "Prediction",
+    "RingPrediction",
     "Scheduler",
     "predict_latency",
+    "predict_ring",
     "solve",
 ]

@@ -72,6 +72,7 @@ class Platform:
     disk_bps: np.ndarray  # s^disk: random reads on macOS, sequential on Linux and Android
     slow_disk: np.ndarray  # bool: s^disk <= threshold, never allowed to spill (always in M4)
     ram_cap: np.ndarray  # int: d^avail (+ d^swapout on Android); d^avail_metal with Metal
+    ram_total: np.ndarray  # int: total memory (the cgroup's limit inside one); 0 where not measured
     ram_head: np.ndarray  # int: head only: b_i/V + b_o + the output context's compute buffer
     ram_window: np.ndarray  # int: per window (one llama.cpp context each): c^cpu (+ c^gpu on Metal)
     vram_cap: np.ndarray  # int: d^avail_cuda, or d^avail_metal; 0 without a usable GPU
@@ -123,7 +124,7 @@ class Platform:
 
 
 _PER_DEVICE = ("kind", "gpu", "head", "t_cpu", "t_gpu", "m_cpu", "m_gpu", "copy", "comm", "disk_bps", "slow_disk",
-               "ram_cap", "ram_head", "ram_window", "vram_cap", "vram_head", "vram_window")
+               "ram_cap", "ram_total", "ram_head", "ram_window", "vram_cap", "vram_head", "vram_window")
 
 
 def _kind(d: DeviceProfile) -> int:
@@ -183,7 +184,8 @@ def platform(
         t_out=_flops_time(model.output_flops, head_dev.cpu_flops, head_dev.name, "CPU"),
         m_head=_per(head_extra, head_dev.cpu_read_bps),
         copy=np.array(copy), comm=np.array(comm), disk_bps=disk_bps, slow_disk=disk_bps <= slow_disk_bps,
-        ram_cap=np.array(ram_cap, dtype=np.int64), ram_head=ram_head.astype(np.int64),
+        ram_cap=np.array(ram_cap, dtype=np.int64),
+        ram_total=np.array([d.mem_total_bytes for d in devices], dtype=np.int64), ram_head=ram_head.astype(np.int64),
         ram_window=ram_window.astype(np.int64), vram_cap=np.array(vram_cap, dtype=np.int64),
         vram_head=vram_head.astype(np.int64), vram_window=vram_window.astype(np.int64),
         layer_bytes=model.layer_bytes, layer_kv_bytes=bp, head_extra=head_extra, lookup_bytes=lookup,

@@ -9,6 +9,7 @@ import numpy as np
 
 from primaplug.core.windows import LayerRange, check_cover, execution_order, ring_windows
 from primaplug.scheduler.latency import SET_NAMES, DeviceSet, Platform, assign_sets, predict
+from primaplug.scheduler.ring import predict_ring
 
 GIB = 1024**3
 
@@ -29,9 +30,11 @@ class DevicePlan:
     memory_s: float
     disk_s: float
     network_s: float
+    fault_s: float = 0.0  # ring model: the part of disk_s the token waits for (the rest overlaps other devices)
 
     @property
     def total_s(self) -> float:
+        """The device's busy time per token (ring model: its own time, the disk overlapping the others)."""
         return self.compute_s + self.memory_s + self.disk_s + self.network_s
 
 
@@ -52,6 +55,7 @@ class Plan:
     n_layer: int
     devices: tuple[DevicePlan, ...]
     dropped: tuple[DroppedDevice, ...] = ()
+    latency_model: str = "paper"  # "paper": Eq. 11, the sum over devices; "ring": scheduler/ring.py
 
     @property
     def head(self) -> DevicePlan:
@@ -89,8 +93,16 @@ class Plan:
         return sum(d.network_s for d in self.devices)
 
     @property
+    def chain_s(self) -> float:
+        """Ring model: what a token waits for, device after device (compute, memory, hops, faulting pages)."""
+        return sum(d.compute_s + d.memory_s + d.network_s + d.fault_s for d in self.devices)
+
+    @property
     def total_s(self) -> float:
-        """Predicted time per token (the latency model's sum over devices)."""
+        """Predicted time per token: the sum over devices (paper), or the longer of the chain and the busiest
+        device's own time (ring)."""
+        if self.latency_model == "ring":
+            return max(self.chain_s, max(d.compute_s + d.memory_s + d.disk_s for d in self.devices))
         return sum(d.total_s for d in self.devices)
 
     def describe(self) -> str:
@@ -100,7 +112,10 @@ class Plan:
             f"plan by {self.scheduler}: {self.n_layer} layers, {self.k} round(s), {len(self.devices)} device(s); "
             f"ring: {ring} (head: {self.head.name})",
             f"predicted {_ms(self.total_s)} ms/token = compute {_ms(self.compute_s)} + memory {_ms(self.memory_s)}"
-            f" + disk {_ms(self.disk_s)} + network {_ms(self.network_s)}",
+            f" + disk {_ms(self.disk_s)} + network {_ms(self.network_s)}" if self.latency_model == "paper" else
+            f"predicted {_ms(self.total_s)} ms/token (ring model): the longer of the token's path, "
+            f"{_ms(self.chain_s)} ms (compute, memory, network, {_ms(sum(d.fault_s for d in self.devices))} of "
+            f"pages faulting in), and the busiest device's own time, disk reads overlapping the others",
         ]
         header = ("device", "set", "w", "gpu", "windows", "RAM GiB", "VRAM GiB", "disk GiB/tok",
                   "compute ms", "memory ms", "disk ms", "net ms", "total ms")
@@ -136,15 +151,19 @@ def build_plan(
     *,
     sets: Sequence[DeviceSet] | None = None,
     dropped: Sequence[DroppedDevice] = (),
+    latency_model: str = "paper",
 ) -> Plan:
     """The plan for placement (k, w, n) on the devices of `p` (head first), with the model's prediction.
 
     `sets` are the device sets the scheduler planned with; by default each device's set follows its memory use.
+    `latency_model` "ring" predicts with scheduler/ring.py, where the head may run no layer.
     """
     w = np.asarray(w, dtype=np.int64)
     n = np.asarray(n, dtype=np.int64)
-    if (w < 1).any() or (n < 0).any() or (n > w).any():
-        raise ValueError(f"a placement needs w >= 1 and 0 <= n <= w on every device: w={w.tolist()} n={n.tolist()}")
+    least = np.where(p.head & (latency_model == "ring"), 0, 1)
+    if (w < least).any() or (n < 0).any() or (n > w).any():
+        raise ValueError(f"a placement needs w >= 1 (the head w >= 0 in the ring model) and 0 <= n <= w on every "
+                         f"device: w={w.tolist()} n={n.tolist()}")
     m = p.n_devices
     ring_index = list(range(1, m)) + [0]
     per_ring = ring_windows([int(w[i]) for i in ring_index], k, p.n_layer)
@@ -154,14 +173,21 @@ def build_plan(
     check_cover(execution_order(per_ring), p.n_layer)
     if sets is None:
         sets = tuple(SET_NAMES[s] for s in assign_sets(p, k, w, n))
-    pred = predict(p, k, w, n)
+    pred = predict(p, k, np.maximum(w, 1), n)  # memory use (the paper's) of a head with no layer: as with one
+    if latency_model == "ring":
+        ring = predict_ring(p, k, w, n)
+        parts = [ring.compute_s, ring.memory_s, ring.disk_s, ring.network_s, ring.fault_s, ring.read_bytes]
+    else:
+        parts = [pred.compute_s, pred.memory_s, pred.disk_s, pred.network_s, np.zeros(m), pred.disk_bytes]
+    compute, memory, disk, network, fault, read = parts
     devices = tuple(
         DevicePlan(
             name=p.names[i], w=int(w[i]), n=int(n[i]), windows=windows[i], device_set=sets[i],
-            ram_bytes=int(pred.ram_bytes[i]), vram_bytes=int(pred.vram_bytes[i]), disk_bytes=int(pred.disk_bytes[i]),
-            compute_s=float(pred.compute_s[i]), memory_s=float(pred.memory_s[i]), disk_s=float(pred.disk_s[i]),
-            network_s=float(pred.network_s[i]),
+            ram_bytes=int(pred.ram_bytes[i]), vram_bytes=int(pred.vram_bytes[i]), disk_bytes=int(read[i]),
+            compute_s=float(compute[i]), memory_s=float(memory[i]), disk_s=float(disk[i]),
+            network_s=float(network[i]), fault_s=float(fault[i]),
         )
         for i in range(m)
     )
-    return Plan(scheduler=scheduler, k=k, n_layer=p.n_layer, devices=devices, dropped=tuple(dropped))
+    return Plan(scheduler=scheduler, k=k, n_layer=p.n_layer, devices=devices, dropped=tuple(dropped),
+                latency_model=latency_model)

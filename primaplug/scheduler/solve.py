@@ -10,12 +10,15 @@ import numpy as np
 from primaplug.core.errors import PlacementInfeasibleError
 from primaplug.core.profiles import DeviceProfile, ModelProfile
 from primaplug.scheduler.baselines import compute_proportional, memory_proportional
-from primaplug.scheduler.halda import HaldaResult, halda
+from primaplug.scheduler.halda import HaldaResult, Solution, halda, valid_rounds
 from primaplug.scheduler.latency import DEFAULT_SLOW_DISK_BPS, Platform, no_spill_capacity, platform
 from primaplug.scheduler.plan import GIB, DroppedDevice, Plan, build_plan
+from primaplug.scheduler.ring import RingPlacement, best_placement
 
 Scheduler = Literal["halda", "memory", "compute"]
 SCHEDULERS: tuple[Scheduler, ...] = ("halda", "memory", "compute")
+LatencyModel = Literal["ring", "paper"]
+LATENCY_MODELS: tuple[LatencyModel, ...] = ("ring", "paper")
 
 _ADVICE = ("add a device with free RAM/VRAM or a fast SSD, plan for a shorter context (a smaller n_kv), "
            "or use a smaller quantization of the model")
@@ -28,18 +31,24 @@ def solve(
     scheduler: Scheduler = "halda",
     rounds: int | None = None,
     slow_disk_bps: float = DEFAULT_SLOW_DISK_BPS,
+    latency_model: LatencyModel = "paper",
 ) -> Plan:
     """Plan `model` on `devices` (`devices[0]` is the head; the others run in the given order in each round).
 
     `scheduler`: "halda" (the paper's Algorithm 1 with device selection), "memory" (layers in proportion to
     memory, exo's rule) or "compute" (in proportion to compute speed with OOM migration, Galaxy's rule).
-    `rounds` fixes k for Halda (a divisor of the layer count); by default Halda picks it, and in the latency
-    model k = 1 is never slower (docs/halda.md), so pass it to get pipelined-ring rounds.
+    `rounds` fixes k for Halda (a divisor of the layer count); by default Halda picks it (in the paper's
+    model k = 1 is never slower, docs/halda.md; the ring's model picks k > 1 where prefetch overlap pays).
     Devices whose disk reads at most `slow_disk_bps` bytes/s never spill layers to disk under Halda.
+    `latency_model` "paper" is Eq. 11 (the sum over devices), minimised by the ILP; "ring" is
+    scheduler/ring.py (disks overlapping the other devices' work, as the nodes' prefetcher runs), minimised
+    exactly by ring.best_placement. Both scores any scheduler's plan; the coordinator uses "ring".
     Raises PlacementInfeasibleError when the model cannot be placed, ValueError on malformed input.
     """
     if scheduler not in SCHEDULERS:
         raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {', '.join(SCHEDULERS)}")
+    if latency_model not in LATENCY_MODELS:
+        raise ValueError(f"unknown latency model {latency_model!r}; choose one of {', '.join(LATENCY_MODELS)}")
     names = [d.name for d in devices]
     if len(set(names)) != len(names):
         raise ValueError(f"device names must be unique: {names}")
@@ -52,13 +61,13 @@ def solve(
     p = platform(devices, model, slow_disk_bps=slow_disk_bps)
     _check_capacity(p, slow_disk_bps)
     if scheduler == "halda":
-        return _solve_halda(p, slow_disk_bps, rounds)
+        return _solve_halda(p, slow_disk_bps, rounds, latency_model)
     if p.n_devices > p.n_layer:
         raise PlacementInfeasibleError(
             f"{p.n_devices} devices but only {p.n_layer} layers: the {scheduler} scheduler gives every device a layer",
             advice="pass fewer devices, or use scheduler='halda', which drops devices")
     w, n = memory_proportional(p) if scheduler == "memory" else compute_proportional(p)
-    return build_plan(p, 1, w, n, scheduler)
+    return build_plan(p, 1, w, n, scheduler, latency_model=latency_model)
 
 
 def _check_capacity(p: Platform, slow_disk_bps: float) -> None:
@@ -80,7 +89,7 @@ def _layer_time(p: Platform) -> np.ndarray:
     return p.alpha + np.minimum(p.beta, 0.0)
 
 
-def _solve_halda(p: Platform, slow_disk_bps: float, rounds: int | None) -> Plan:
+def _solve_halda(p: Platform, slow_disk_bps: float, rounds: int | None, latency_model: LatencyModel) -> Plan:
     dropped: list[DroppedDevice] = []
     held = no_spill_capacity(p)
     if p.slow_disk[0] and held[0] < 1:
@@ -106,7 +115,8 @@ def _solve_halda(p: Platform, slow_disk_bps: float, rounds: int | None) -> Plan:
                                                      "it is among the slowest"))
         active = [0] + sorted(order[: per_round - 1])
     ks = None if rounds is None else [rounds]
-    result = halda(p.subset(active), rounds=ks)
+    solver = _ring_halda if latency_model == "ring" else halda
+    result = solver(p.subset(active), rounds=ks)
     if result is None:
         which = f"k = {rounds}" if rounds else f"any number of rounds k (a divisor of {p.n_layer})"
         raise PlacementInfeasibleError(
@@ -118,7 +128,7 @@ def _solve_halda(p: Platform, slow_disk_bps: float, rounds: int | None) -> Plan:
         if not low:
             break
         keep = [i for i in active if i not in low]
-        trial: HaldaResult | None = halda(p.subset(keep), rounds=ks)
+        trial: HaldaResult | None = solver(p.subset(keep), rounds=ks)
         if trial is None or trial.solution.objective_s > result.solution.objective_s:
             break  # the smaller ring is slower (or impossible): these devices help, keep them
         for i in low:
@@ -127,5 +137,29 @@ def _solve_halda(p: Platform, slow_disk_bps: float, rounds: int | None) -> Plan:
                 f"time is {trial.solution.objective_s * 1e3:.1f} ms/token instead of "
                 f"{result.solution.objective_s * 1e3:.1f}"))
         active, result = keep, trial
+    if latency_model == "ring" and len(active) > 1:
+        # the ring model lets the head hand all its layers to a node, which the rule above never drops: the
+        # ring must also beat the head alone
+        alone = solver(p.subset([0]), rounds=ks)
+        if alone is not None and alone.solution.objective_s < result.solution.objective_s:
+            for i in active[1:]:
+                dropped.append(DroppedDevice(
+                    p.names[i], f"the head alone is predicted at {alone.solution.objective_s * 1e3:.1f} ms/token, "
+                    f"the ring at {result.solution.objective_s * 1e3:.1f}"))
+            active, result = [0], alone
     s = result.solution
-    return build_plan(p.subset(active), s.k, s.w, s.n, "halda", sets=result.sets, dropped=dropped)
+    sets = result.sets if latency_model == "paper" else None
+    return build_plan(p.subset(active), s.k, s.w, s.n, "halda", sets=sets, dropped=dropped,
+                      latency_model=latency_model)
+
+
+def _ring_halda(p: Platform, rounds: Sequence[int] | None = None) -> HaldaResult | None:
+    """The ring model's optimum over every k (or the given ones), in the shape Halda's answer takes."""
+    best: RingPlacement | None = None
+    for k in rounds or valid_rounds(p.n_layer, p.n_devices):
+        found = best_placement(p, k, beat=best.objective_s if best else np.inf)
+        if found is not None and (best is None or found.objective_s < best.objective_s):
+            best = found
+    if best is None:
+        return None
+    return HaldaResult(Solution(best.k, best.w, best.n, best.objective_s), sets=(), iterations=0, forced=())

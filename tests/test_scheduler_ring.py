@@ -1,0 +1,143 @@
+"""The ring's latency model (scheduler/ring.py): the prefetch policy it mirrors, its optimum against exhaustive
+search, and what it changes in a plan."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from primaplug.memory.policy import PAGE, plan_prefetch
+from primaplug.scheduler import solve
+from primaplug.scheduler.halda import valid_rounds
+from primaplug.scheduler.latency import platform
+from primaplug.scheduler.ring import MARGIN, best_placement, gpu_layers, predict_ring, stream_bytes
+from tests.test_scheduler_halda import device, model, random_instance
+
+
+@pytest.mark.parametrize(("budget", "window", "k", "read", "faulted"), [
+    (100, 60, 3, 120, 0),  # a third of every layer kept (60), 40 streamed per window, all prefetched
+    (50, 60, 1, 60, 10),  # one window larger than the budget: all of it read, 10 fault in as it computes
+    (130, 60, 3, 150, 0),  # two windows fit at once: a sixth kept, 50 streamed per window, prefetched early
+    (200, 60, 3, 0, 0),  # everything fits: resident, nothing read
+])
+def test_stream_bytes_by_hand(budget: int, window: int, k: int, read: int, faulted: int) -> None:
+    r, f = stream_bytes(np.array(budget * PAGE), np.array(window * PAGE), k)
+    assert (float(r) / PAGE, float(f) / PAGE) == pytest.approx((read, faulted))
+
+
+def test_stream_bytes_follows_the_prefetch_plan() -> None:
+    """The closed form is what plan_prefetch plans for k windows of one tensor each, to a page per window."""
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        k = int(rng.integers(1, 9))
+        window = int(rng.integers(1, 400)) * PAGE
+        budget = int(rng.integers(0, k * 500)) * PAGE
+        plan = plan_prefetch([[(i * window, window)] for i in range(k)], budget)
+        streamed = plan.stream_bytes
+        read = sum(streamed)
+        faulted = sum(max(0, s - plan.prefetch_room) for s in streamed)
+        r, f = stream_bytes(np.array(budget), np.array(window), k)
+        assert float(r) == pytest.approx(read, abs=2 * k * PAGE), (k, window // PAGE, budget // PAGE, plan.describe())
+        assert float(f) == pytest.approx(faulted, abs=4 * k * PAGE), (k, window // PAGE, budget // PAGE)
+
+
+def test_margin_is_the_nodes() -> None:
+    from primaplug.node.deployment import MARGIN as NODE_MARGIN
+
+    assert MARGIN == NODE_MARGIN
+
+
+def test_time_is_the_longer_of_the_chain_and_the_busiest_device() -> None:
+    # a head that holds its share, and two devices that stream: their disks overlap, the chain does not
+    devices = [device("head", ram_gb=3), device("a", ram_gb=1, disk=1e8), device("b", ram_gb=1, disk=1e8)]
+    p = platform(devices, model(12, layer_gb=0.5), slow_disk_bps=1e6)
+    pred = predict_ring(p, 2, [1, 2, 3], [0, 0, 0])
+    chain = (pred.compute_s + pred.memory_s + pred.network_s + pred.fault_s).sum()
+    assert float(pred.total_s) == pytest.approx(max(chain, float(pred.own_s.max())))
+    assert pred.read_bytes[0] == 0 and pred.read_bytes[1] > 0 and pred.read_bytes[2] > pred.read_bytes[1]
+    assert pred.disk_s[2] == pytest.approx(pred.read_bytes[2] / 1e8)
+    # the head runs the output layer even with no layer of its own, and still passes the token on
+    empty = predict_ring(p, 2, [0, 3, 3], [0, 0, 0])
+    assert empty.compute_s[0] > 0 and empty.network_s[0] > 0
+
+
+def exhaustive_ring(p) -> float:
+    """The least ring-model time over every valid k and every split (the head w >= 0, the others >= 1), GPU
+    layers as the model places them."""
+    best = np.inf
+    for k in valid_rounds(p.n_layer, p.n_devices):
+        per_round = p.n_layer // k
+        ws = []
+        for cuts in itertools.combinations_with_replacement(range(per_round + 1), p.n_devices - 1):
+            w = np.diff((0, *cuts, per_round))  # the head's share first, then the others' in any order
+            if (w[1:] >= 1).all():
+                ws.append(w)
+        for w in ws:
+            for perm in set(itertools.permutations(w[1:])):
+                wv = np.array((w[0], *perm))
+                best = min(best, float(predict_ring(p, k, wv, gpu_layers(p, k, wv)).total_s))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_best_placement_matches_exhaustive_search(seed: int) -> None:
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(8):
+        devices, m = random_instance(rng, int(rng.integers(1, 5)))
+        p = platform(devices, m, slow_disk_bps=2e8)
+        optimum = exhaustive_ring(p)
+        found = [best_placement(p, k) for k in valid_rounds(p.n_layer, p.n_devices)]
+        found = [f for f in found if f is not None]
+        if not np.isfinite(optimum):
+            assert not found
+            continue
+        best = min(found, key=lambda f: f.objective_s)
+        assert best.objective_s == pytest.approx(optimum, rel=1e-9)
+        assert best.objective_s == pytest.approx(
+            float(predict_ring(p, best.k, np.array(best.w), np.array(best.n)).total_s), rel=1e-12)
+
+
+def test_halda_spreads_streaming_over_disks_under_the_ring_model() -> None:
+    """Two equal devices that must stream: the paper's sum is indifferent to who streams and piles the overflow
+    on one; the ring model splits it, since the two disks then read side by side."""
+    devices = [device("head", ram_gb=0.4, disk=3e7), device("a", ram_gb=0.8, disk=1.2e8),
+               device("b", ram_gb=0.8, disk=1.21e8)]
+    m = model(32, layer_gb=0.1, n_kv=512, output_bytes=10_000_000)
+    paper = solve(devices, m, latency_model="paper", slow_disk_bps=1e7)
+    ring = solve(devices, m, latency_model="ring", slow_disk_bps=1e7)
+    assert ring.latency_model == "ring" and paper.latency_model == "paper"
+    a, b = ring.device("a"), ring.device("b")
+    assert max(d.w for d in paper.devices) >= 3 * min(d.w for d in paper.devices[1:])  # piled on the faster disk
+    assert abs(a.w - b.w) <= 1 and a.disk_bytes > 0 and b.disk_bytes > 0
+    # scored by the ring model, the paper's plan is slower than the ring's
+    p = platform(devices, m, slow_disk_bps=1e7)
+    paper_w = [d.w for d in paper.devices]
+    as_ring = predict_ring(p, paper.k, paper_w, gpu_layers(p, paper.k, np.array(paper_w)))
+    assert ring.total_s < float(as_ring.total_s)
+    text = ring.describe()
+    assert "ring model" in text and "faulting in" in text
+
+
+def test_ring_plan_may_leave_the_head_without_layers() -> None:
+    # a head with a slow disk and little memory is best left to embed, sample and run the output layer
+    devices = [device("head", ram_gb=0.35, disk=2e7), device("a", ram_gb=4, disk=2e9),
+               device("b", ram_gb=4, disk=2e9)]
+    plan = solve(devices, model(16, layer_gb=0.3), latency_model="ring", slow_disk_bps=1e7)
+    assert plan.head.w == 0 and plan.head.windows and all(r.n_layers == 0 for r in plan.head.windows)
+    assert sum(d.w for d in plan.devices) * plan.k == 16
+
+
+def test_unknown_latency_model_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown latency model"):
+        solve([device("head")], model(4), latency_model="nope")  # type: ignore[arg-type]
+
+
+def test_a_head_alone_has_no_hops() -> None:
+    # nodes a hair faster than the head, on the same machine: moving every layer to one would add two hops a
+    # round; the ring model knows the head alone sends nothing, so the nodes are dropped
+    devices = [device("head", flops=1e11), device("a", flops=1.001e11), device("b", flops=1.001e11)]
+    plan = solve(devices, model(12, layer_gb=0.01), latency_model="ring")
+    assert [d.name for d in plan.devices] == ["head"] and plan.head.network_s == 0
+    assert {d.name for d in plan.dropped} == {"a", "b"}
