@@ -8,8 +8,10 @@ real `primaplug node` in its own cgroup (memory cap, disk read cap) with its own
 at least 1.5x the sum of the caps, joined by emulated Wi-Fi links (3-7 ms). In one run:
 - plain llama-cpp-python on one device capped like the largest node (the paper's llama.cpp baseline);
 - the ring with k = 1 and with the best k >= 2, each with prefetch and release, without prefetch, without
-  release, without both, and streaming layer by layer (--layer-streaming); windows sized by hand (memory
-  first, the rest by disk speed), the head holding the output layer;
+  release, without both, and streaming layer by layer (--layer-streaming); the windows for each k chosen by
+  the ring's latency model (scheduler/ring.py) from the devices' caps, disk and CPU shares and links (a device
+  may be a relay), the head (this process, uncapped) running only the output layer (--split hand: memory
+  first, the rest by disk speed, every device at least one layer per round, as before session 4);
 - on a smaller model that fits the caps: the ring with the memory policy on and with every part of it off.
 TTFT, TPOT, per-node major faults per token and memory pressure for each; the ratios the targets name.
 Writes benchmarks/results/memory_testbed.json and memory_testbed.png.
@@ -44,9 +46,44 @@ VARIANTS = {"prefetch+release": [], "no prefetch": ["--no-prefetch"], "no releas
 ALL_OFF = ["--no-prefetch", "--no-release", "--no-keep"]
 
 
+def model_windows(devices: list[Device], model: Path, rounds: int) -> list[int]:
+    """Layers per round of each device, chosen by the ring's latency model from what the testbed gives the devices
+    (memory for the model, disk read cap, CPU share, link) and this machine's measured compute (its cached
+    profile). The head is this process, not capped: it plays a device with no memory and no disk, so it runs no
+    layer, only the output layer. A device may be left a relay (no layer) where that is faster, as Halda's
+    device selection would."""
+    import os
+
+    import msgspec
+
+    from primaplug.engine import read_layout
+    from primaplug.profiler.device import profile_device
+    from primaplug.profiler.model import model_types, profile_model
+    from primaplug.scheduler.latency import platform
+    from primaplug.scheduler.ring import best_placement
+
+    mp = profile_model(read_layout(model), n_ctx=512, n_batch=64, n_ubatch=16)
+    here = profile_device("this machine", model_types=model_types(mp))
+    cores = os.cpu_count() or 1
+
+    def device(name: str, memory: int, disk: float, cpus: float, latency_s: float, bps: float):  # noqa: ANN202
+        return msgspec.structs.replace(
+            here, name=name, mem_total_bytes=memory, mem_available_bytes=memory, disk_seq_bps=disk,
+            disk_rand_bps=disk, cpu_flops={q: f * min(1.0, cpus / cores) for q, f in here.cpu_flops.items()},
+            link_latency_s=latency_s, link_bps=bps)
+
+    head = device("head", 0, 0.0, cores, 1e-4, 1e10)
+    nodes = [device(d.name, int(d.memory_mib * (1 << 20)), d.read_bps, d.cpus or cores, d.link_latency_ms / 1e3,
+                    d.link_mbit * 1e6 / 8) for d in devices]
+    found = best_placement(platform([head, *nodes], mp, slow_disk_bps=0.0), rounds, relays=True)
+    if found is None:
+        raise SystemExit(f"the ring's latency model found no placement with k = {rounds}")
+    return list(found.w[1:])
+
+
 def memory_then_disk(devices: list[Device], layer_bytes: float, per_round: int, rounds: int) -> list[int]:
-    """Hand-made windows (Halda, issue 5, chooses them properly): each device first gets the layers its memory
-    holds, the rest go in proportion to disk speed, so that the devices' streaming takes about equally long."""
+    """Hand-made windows (--split hand): each device first gets the layers its memory holds, the rest go in
+    proportion to disk speed, so that the devices' streaming takes about equally long."""
     fit = [0.8 * d.memory_mib * (1 << 20) / layer_bytes / rounds for d in devices]
     rest = max(0.0, per_round - sum(fit))
     speed = sum(d.disk_mbps for d in devices)
@@ -81,13 +118,14 @@ def model_file(size: str, layers: int) -> Path:
 
 
 def ring_run(devices: list[Device], model: Path, work: Path, *, rounds: int, flags: list[str], tokens: int,
-             prompt: int, threads: int) -> dict[str, Any]:
+             prompt: int, threads: int, split: str = "model") -> dict[str, Any]:
     import primaplug
     from primaplug.engine import read_layout
 
     layout = read_layout(model)
     layer_bytes = sum(layout.layer_bytes(il) for il in range(layout.n_layer)) / layout.n_layer
-    sizes = memory_then_disk(devices, layer_bytes, layout.n_layer // rounds, rounds)
+    sizes = (model_windows(devices, model, rounds) if split == "model"
+             else memory_then_disk(devices, layer_bytes, layout.n_layer // rounds, rounds))
     with Testbed(devices, model, work, node_args=flags) as tb:
         t0 = time.perf_counter()
         llm = primaplug.Llama(model, nodes=tb.addresses, route=tb.route, layers=[*sizes, 0], rounds=rounds,
@@ -157,6 +195,8 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens (default 16)")
     ap.add_argument("--rounds", default="2,4,8", help="k >= 2 to try (default 2,4,8)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--split", choices=("model", "hand"), default="model",
+                    help="windows chosen by the ring's latency model (default) or by hand (memory, then disk)")
     ap.add_argument("--fit-trials", type=int, default=3)
     ap.add_argument("--workdir", default=str(CACHE / "testbed"), help="model copies and node logs")
     a = ap.parse_args()
@@ -170,7 +210,7 @@ def main() -> int:
     print(f"{model.name}: {model.stat().st_size / 1e9:.2f} GB = {model.stat().st_size / caps:.2f}x the caps' "
           f"{caps / 1e9:.2f} GB", file=sys.stderr)
     work = Path(a.workdir)
-    kw = dict(tokens=a.tokens, prompt=a.prompt, threads=a.threads)
+    kw = dict(tokens=a.tokens, prompt=a.prompt, threads=a.threads, split=a.split)
     runs: dict[str, Any] = {}
     try:
         largest = max(devices, key=lambda d: d.memory_mib)

@@ -63,16 +63,16 @@ def test_time_is_the_longer_of_the_chain_and_the_busiest_device() -> None:
     assert empty.compute_s[0] > 0 and empty.network_s[0] > 0
 
 
-def exhaustive_ring(p) -> float:
-    """The least ring-model time over every valid k and every split (the head w >= 0, the others >= 1), GPU
-    layers as the model places them."""
+def exhaustive_ring(p, least: int = 1) -> float:  # noqa: ANN001
+    """The least ring-model time over every valid k and every split (the head w >= 0, the others >= `least`),
+    GPU layers as the model places them."""
     best = np.inf
     for k in valid_rounds(p.n_layer, p.n_devices):
         per_round = p.n_layer // k
         ws = []
         for cuts in itertools.combinations_with_replacement(range(per_round + 1), p.n_devices - 1):
             w = np.diff((0, *cuts, per_round))  # the head's share first, then the others' in any order
-            if (w[1:] >= 1).all():
+            if (w[1:] >= least).all():
                 ws.append(w)
         for w in ws:
             for perm in set(itertools.permutations(w[1:])):
@@ -81,14 +81,14 @@ def exhaustive_ring(p) -> float:
     return best
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_best_placement_matches_exhaustive_search(seed: int) -> None:
+@pytest.mark.parametrize(("seed", "relays"), [(0, False), (1, False), (2, False), (3, False), (4, True), (5, True)])
+def test_best_placement_matches_exhaustive_search(seed: int, relays: bool) -> None:
     rng = np.random.default_rng(100 + seed)
     for _ in range(8):
         devices, m = random_instance(rng, int(rng.integers(1, 5)))
         p = platform(devices, m, slow_disk_bps=2e8)
-        optimum = exhaustive_ring(p)
-        found = [best_placement(p, k) for k in valid_rounds(p.n_layer, p.n_devices)]
+        optimum = exhaustive_ring(p, least=0 if relays else 1)
+        found = [best_placement(p, k, relays=relays) for k in valid_rounds(p.n_layer, p.n_devices)]
         found = [f for f in found if f is not None]
         if not np.isfinite(optimum):
             assert not found

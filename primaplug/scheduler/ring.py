@@ -123,9 +123,10 @@ def gpu_layers(p: Platform, k: int, w: np.ndarray) -> np.ndarray:
     return np.where(faster, np.minimum(w, gpu_layer_cap(p, k)), 0)
 
 
-def best_placement(p: Platform, k: int, beat: float = np.inf) -> RingPlacement | None:
+def best_placement(p: Platform, k: int, beat: float = np.inf, *, relays: bool = False) -> RingPlacement | None:
     """The placement with k rounds that minimises the ring model (every device but the head runs at least one
-    layer per window; the head may run none); None when none is finite or none is faster than `beat`."""
+    layer per window, unless `relays`; the head may run none); None when none is finite or none is faster than
+    `beat`. A relay (no layer) still passes the hidden state on, but its hop is not counted."""
     per_round = p.n_layer // k
     if p.n_devices == 1:  # the head alone runs every layer
         found = _placement(p, k, [per_round])
@@ -134,7 +135,8 @@ def best_placement(p: Platform, k: int, beat: float = np.inf) -> RingPlacement |
     pred = predict_ring(p, k, w, gpu_layers(p, k, w))
     own = pred.own_s
     chain = pred.compute_s + pred.memory_s + pred.network_s + pred.fault_s
-    chain[0, 1:] = np.inf  # w >= 1 but for the head
+    if not relays:
+        chain[0, 1:] = np.inf  # w >= 1 but for the head
     bad = ~np.isfinite(chain) | ~np.isfinite(own)
     chain[bad], own[bad] = np.inf, np.inf
     # f(t) = max(t, least chain with every device's own time <= t) is least at the first bound t_i (a value
