@@ -12,7 +12,7 @@ from primaplug.memory.policy import PAGE, plan_prefetch
 from primaplug.scheduler import solve
 from primaplug.scheduler.halda import valid_rounds
 from primaplug.scheduler.latency import platform
-from primaplug.scheduler.ring import MARGIN, best_placement, gpu_layers, predict_ring, stream_bytes
+from primaplug.scheduler.ring import best_placement, gpu_layers, predict_ring, stream_bytes
 from tests.test_scheduler_halda import device, model, random_instance
 
 
@@ -41,12 +41,6 @@ def test_stream_bytes_follows_the_prefetch_plan() -> None:
         r, f = stream_bytes(np.array(budget), np.array(window), k)
         assert float(r) == pytest.approx(read, abs=2 * k * PAGE), (k, window // PAGE, budget // PAGE, plan.describe())
         assert float(f) == pytest.approx(faulted, abs=4 * k * PAGE), (k, window // PAGE, budget // PAGE)
-
-
-def test_margin_is_the_nodes() -> None:
-    from primaplug.node.deployment import MARGIN as NODE_MARGIN
-
-    assert MARGIN == NODE_MARGIN
 
 
 def test_time_is_the_longer_of_the_chain_and_the_busiest_device() -> None:

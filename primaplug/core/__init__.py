@@ -1,4 +1,5 @@
-"""Pure values and rules shared by every part of primaplug: errors and layer windows. No I/O."""
+"""Pure values and rules shared by every part of primaplug: errors, layer windows and the memory budget's
+constants (budget.py). No I/O."""
 
 from primaplug.core.errors import (
     ConfigError,

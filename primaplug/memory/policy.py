@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from primaplug.core.budget import MAX_KEEP
+
 PAGE = mmap.PAGESIZE
 Ranges = tuple[tuple[int, int], ...]  # (offset, length) in the file
 
@@ -113,7 +115,7 @@ def plan_prefetch(windows: Sequence[Sequence[tuple[int, int]]], budget_bytes: in
     if keep:
         slots = 2 if early else 1  # f * total + slots * (1 - f) * largest <= budget
         room, need = budget_bytes - slots * largest, total - slots * largest
-        fraction = max(0.0, min(0.95, room / need)) if need > 0 and room > 0 else 0.0
+        fraction = max(0.0, min(MAX_KEEP, room / need)) if need > 0 and room > 0 else 0.0
     kept: list[tuple[int, int]] = []
     streamed: list[Ranges] = []
     for w in windows:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from primaplug.core.budget import MARGIN
 from primaplug.core.errors import PrimaplugError, ProtocolError
 from primaplug.core.windows import LayerRange
 from primaplug.engine import BUSY_POLL, ContextSettings, Model, ModelLayout, Window
@@ -29,7 +30,6 @@ class MemorySettings:
     switches: Switches = Switches()
 
 
-MARGIN = 0.05  # of total memory, left to the OS and the apps people use
 
 
 def reserved_bytes(layout: ModelLayout, windows: list[LayerRange], n_ctx: int, n_batch: int, n_ubatch: int) -> int:

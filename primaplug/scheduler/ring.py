@@ -28,11 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from primaplug.scheduler.halda import gpu_layer_cap
+from primaplug.core.budget import MARGIN, MAX_KEEP
+from primaplug.scheduler.halda import Solution, gpu_layer_cap
 from primaplug.scheduler.latency import MACOS_METAL, Platform
-
-MARGIN = 0.05  # of total memory: what a node leaves out of its budget (node/deployment.py, MARGIN)
-MAX_KEEP = 0.95  # the largest kept fraction plan_prefetch uses
 
 
 def stream_bytes(budget: np.ndarray, window: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -109,21 +107,13 @@ def predict_ring(p: Platform, k: int, w: np.ndarray | Sequence[int], n: np.ndarr
                           read_bytes=read)
 
 
-@dataclass(frozen=True)
-class RingPlacement:
-    k: int
-    w: tuple[int, ...]
-    n: tuple[int, ...]
-    objective_s: float
-
-
 def gpu_layers(p: Platform, k: int, w: np.ndarray) -> np.ndarray:
     """GPU layers per window for w layers per window: as many as VRAM holds where the GPU is the faster."""
     faster = p.gpu & (p.t_gpu + p.m_gpu < p.t_cpu + p.m_cpu)
     return np.where(faster, np.minimum(w, gpu_layer_cap(p, k)), 0)
 
 
-def best_placement(p: Platform, k: int, beat: float = np.inf, *, relays: bool = False) -> RingPlacement | None:
+def best_placement(p: Platform, k: int, beat: float = np.inf, *, relays: bool = False) -> Solution | None:
     """The placement with k rounds that minimises the ring model (every device but the head runs at least one
     layer per window, unless `relays`; the head may run none); None when none is finite or none is faster than
     `beat`. A relay (no layer) still passes the hidden state on, but its hop is not counted."""
@@ -167,13 +157,13 @@ def best_placement(p: Platform, k: int, beat: float = np.inf, *, relays: bool = 
     return _placement(p, k, best_w)
 
 
-def _placement(p: Platform, k: int, w: list[int] | None) -> RingPlacement | None:
+def _placement(p: Platform, k: int, w: list[int] | None) -> Solution | None:
     if w is None:
         return None
     wv = np.asarray(w)
     nv = gpu_layers(p, k, wv)
     total = float(predict_ring(p, k, wv, nv).total_s)
-    return RingPlacement(k, tuple(int(x) for x in wv), tuple(int(x) for x in nv), total)
+    return Solution(k, tuple(int(x) for x in wv), tuple(int(x) for x in nv), total)
 
 
 def _least_chain(chain: np.ndarray, own: np.ndarray, bound: float, total: int) -> tuple[float, list[int] | None]:

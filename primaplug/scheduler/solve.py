@@ -13,7 +13,7 @@ from primaplug.scheduler.baselines import compute_proportional, memory_proportio
 from primaplug.scheduler.halda import HaldaResult, Solution, halda, valid_rounds
 from primaplug.scheduler.latency import DEFAULT_SLOW_DISK_BPS, Platform, no_spill_capacity, platform
 from primaplug.scheduler.plan import GIB, DroppedDevice, Plan, build_plan
-from primaplug.scheduler.ring import RingPlacement, best_placement
+from primaplug.scheduler.ring import best_placement
 
 Scheduler = Literal["halda", "memory", "compute"]
 SCHEDULERS: tuple[Scheduler, ...] = ("halda", "memory", "compute")
@@ -155,11 +155,11 @@ def _solve_halda(p: Platform, slow_disk_bps: float, rounds: int | None, latency_
 
 def _ring_halda(p: Platform, rounds: Sequence[int] | None = None) -> HaldaResult | None:
     """The ring model's optimum over every k (or the given ones), in the shape Halda's answer takes."""
-    best: RingPlacement | None = None
+    best: Solution | None = None
     for k in rounds or valid_rounds(p.n_layer, p.n_devices):
         found = best_placement(p, k, beat=best.objective_s if best else np.inf)
         if found is not None and (best is None or found.objective_s < best.objective_s):
             best = found
     if best is None:
         return None
-    return HaldaResult(Solution(best.k, best.w, best.n, best.objective_s), sets=(), iterations=0, forced=())
+    return HaldaResult(best, sets=(), iterations=0, forced=())
