@@ -135,3 +135,18 @@ def test_a_head_alone_has_no_hops() -> None:
     plan = solve(devices, model(12, layer_gb=0.01), latency_model="ring")
     assert [d.name for d in plan.devices] == ["head"] and plan.head.network_s == 0
     assert {d.name for d in plan.dropped} == {"a", "b"}
+
+
+def test_what_cannot_be_placed_under_the_ring_model_is_a_clear_error() -> None:
+    from primaplug.core import PlacementInfeasibleError
+
+    # too little memory behind slow disks: the same check as the paper's model
+    with pytest.raises(PlacementInfeasibleError, match="400 MB/s") as e:
+        solve([device("head", ram_gb=3, disk=1e8), device("b", ram_gb=3, disk=2e8)], model(24, layer_gb=0.5),
+              latency_model="ring")
+    assert e.value.shortfall_bytes > 0
+    # a slow-disk node must run a layer in each of 4 rounds but holds only about two: no placement with k = 4
+    devices = [device("head", ram_gb=16), device("slow", ram_gb=1.3, disk=5e7)]
+    with pytest.raises(PlacementInfeasibleError, match="no placement with k = 4 keeps every device with a slow disk"):
+        solve(devices, model(12), latency_model="ring", rounds=4)
+    assert solve(devices, model(12), latency_model="ring", rounds=2).k == 2  # two layers fit it
