@@ -24,10 +24,10 @@ from primaplug.core.errors import ConfigError
 from primaplug.core.windows import LayerRange
 from primaplug.engine import ContextSettings, Model, ModelLayout, Window, read_layout
 from primaplug.engine.ring_llama import RingLlama
-from primaplug.memory.policy import PrefetchPlan, plan_prefetch
+from primaplug.memory.policy import PrefetchPlan, plan_prefetch, repack_allowed
 from primaplug.memory.prefetcher import Prefetcher
 from primaplug.memory.system import memory_view
-from primaplug.node.deployment import weights_budget
+from primaplug.node.deployment import reserved_bytes, weights_budget
 from primaplug.planning import PlanSettings, measure, plan_cluster
 from primaplug.scheduler import SCHEDULERS, Plan
 from primaplug.transport import Transport, load_keys
@@ -114,9 +114,8 @@ class Llama(RingLlama):
             else:
                 cluster.plan()
             head_windows = [r for r in cluster.head_ranges if r.n_layers]
-            memory = _head_memory_plan(layout, head_windows, n_ctx, n_batch, n_ubatch, memory_budget)
-            self._head_model = head = Model(path, head_windows, output=True, layout=layout,
-                                            repack=memory.mode == "resident")
+            memory, repack = _head_memory_plan(layout, head_windows, n_ctx, n_batch, n_ubatch, memory_budget)
+            self._head_model = head = Model(path, head_windows, output=True, layout=layout, repack=repack)
             cluster.deploy(progress)
             threads = kwargs.get("n_threads") or max(1, (os.cpu_count() or 2) // 2)  # llama_cpp.Llama's default
             ctx = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads)
@@ -161,18 +160,22 @@ class Llama(RingLlama):
 
 
 def _head_memory_plan(layout: ModelLayout, windows: list[LayerRange], n_ctx: int, n_batch: int,
-                      n_ubatch: int, budget: int | None) -> PrefetchPlan:
-    """The head's windows follow the nodes' memory policy: resident (repacked) when they fit in what this device
-    has left after the output layer, else streamed like a node's (not repacked, which would need them all in RAM)."""
+                      n_ubatch: int, budget: int | None) -> tuple[PrefetchPlan, bool]:
+    """The head's windows follow the nodes' memory policy: resident when they fit in what this device has left
+    after the output layer, else streamed like a node's; repacked only where a node would repack them
+    (memory/policy.py, repack_allowed). Returns the plan and whether to repack."""
     from primaplug.profiler import compute_buffer_output_bytes
 
+    view = memory_view()
+    out_buffer = compute_buffer_output_bytes(layout, n_ctx, n_batch, n_ubatch)
     if budget is None:
-        other = layout.output_bytes + compute_buffer_output_bytes(layout, n_ctx, n_batch, n_ubatch)
-        budget = weights_budget(layout, windows, n_ctx, n_batch, n_ubatch, memory_view(), other_bytes=other)
+        budget = weights_budget(layout, windows, n_ctx, n_batch, n_ubatch, view,
+                                other_bytes=layout.output_bytes + out_buffer)
     plan = plan_prefetch([layout.window_ranges(r) for r in windows], budget)
     if plan.mode == "stream":
         log.warning("the head's windows do not fit in its memory: %s", plan.describe())
-    return plan
+    reserved = reserved_bytes(layout, windows, n_ctx, n_batch, n_ubatch) + out_buffer
+    return plan, repack_allowed(plan, reserved, view.total_bytes)
 
 
 class _StreamedWindow:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
+import multiprocessing
 import os
 
 import numpy as np
+import pytest
 
 from primaplug.core import LayerRange
 from primaplug.engine import ContextSettings, Model, read_layout
 from primaplug.memory import drop_file_cache, resident_bytes
+from primaplug.profiler.model import compute_buffer_layers_bytes
 from tests.conftest import synthetic_path
 
 SETTINGS = ContextSettings(n_ctx=256, n_batch=64, n_ubatch=32)
@@ -62,3 +67,70 @@ def test_kv_cache_holds_only_the_window_layers(model_dir) -> None:
     overhead = per_layer - n_tokens * layout.kv_bytes_per_token(0)
     assert 0 <= overhead < 64, f"per-layer state {per_layer} B is not {n_tokens} tokens x KV bytes per token"
     assert 0 <= sa - per_layer * a < per_layer
+
+
+
+def _anon_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+def _run_windows(path: str, windows: list[LayerRange], settings: ContextSettings, steps: int,
+                 prompt: list[int]) -> tuple[list[int], int, int]:
+    """In a fresh process: greedy tokens through the chained windows (the last outputs logits), the growth of
+    anonymous memory from before the first forward to the end, and the compute bytes the windows gave back."""
+    with Model(path, windows) as model:
+        ws = [model.window(r.start, r.end, settings=settings) for r in windows]
+        before = _anon_bytes()
+        tokens: list[int] = []
+        feed, pos = np.asarray(prompt), 0
+        for _ in range(steps):
+            x = feed
+            for w in ws:
+                x = w.forward(x, pos)
+            pos += len(feed)
+            tokens.append(int(np.argmax(x[-1])))
+            feed = np.array(tokens[-1:])
+        return tokens, _anon_bytes() - before, sum(w.compute_released_bytes for w in ws)
+
+
+def _in_fresh_process(*args: object) -> tuple[list[int], int, int]:
+    # a fresh interpreter each time, so that memory one run freed cannot hide what the next one takes
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_run_windows, *args).result()
+
+
+linux_only = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc (Linux)")
+
+
+@linux_only
+def test_windows_give_their_compute_buffers_back_after_a_prompt(model_dir) -> None:
+    """Each window's compute buffer is sized for a full micro-batch; after a prompt its pages go back to the OS, so
+    a process running several windows one after another keeps one buffer's worth at most, and decoding (one row)
+    touches only a small part again. The tokens do not change."""
+    path = synthetic_path(model_dir, "llama", 9, "Q8_0")
+    layout = read_layout(path)
+    windows = [LayerRange(il, il + 1) for il in range(8)] + [LayerRange(8, 9)]
+    prompt = [int(t) for t in np.random.default_rng(2).integers(3, layout.n_vocab, size=128)]
+    big = ContextSettings(n_ctx=256, n_batch=128, n_ubatch=128)  # a compute buffer of about 1.5 MiB per window
+    tokens, growth, released = _in_fresh_process(str(path), windows, big, 4, prompt)
+    kept_tokens, kept_growth, kept_released = _in_fresh_process(
+        str(path), windows, dataclasses.replace(big, release_compute=False), 4, prompt)
+    assert tokens == kept_tokens
+    assert kept_released == 0 and released > 0
+    per_window = compute_buffer_layers_bytes(layout, 256, 128, 128)
+    # nine prompt-sized buffers stay resident without the release; with it, at most about one
+    assert kept_growth - growth > 6 * per_window, (kept_growth, growth, per_window)
+
+
+@linux_only
+def test_a_window_that_outputs_hidden_states_keeps_no_logits(gemma_path) -> None:
+    """llama.cpp sizes every context's output buffer for n_vocab logits per output row and clears it; a window
+    outputs n_embd floats per row and no logits. On Gemma 3 (262,144 tokens) a 64-row prompt would take 64 MiB
+    per window for logits nobody reads."""
+    layout = read_layout(gemma_path)
+    settings = ContextSettings(n_ctx=256, n_batch=64, n_ubatch=64)
+    prompt = list(range(10, 74))
+    _, growth, _ = _in_fresh_process(str(gemma_path), [LayerRange(0, 9), LayerRange(9, 18)], settings, 1, prompt)
+    logits_rows = 4 * layout.n_vocab * len(prompt)  # 64 MiB: what the hidden window's logits would take
+    assert growth < logits_rows / 2, f"{growth / 2**20:.1f} MiB"

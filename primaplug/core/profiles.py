@@ -77,10 +77,13 @@ class ModelProfile(msgspec.Struct, frozen=True, kw_only=True):
     compute_buffer_cpu_bytes: int  # c^cpu
     compute_buffer_gpu_bytes: int  # c^gpu
     # The engine opens one llama.cpp context per window, and each has its own compute buffer: the two above are one
-    # window of layers (hidden state out) at n_kv and the planned n_ubatch, so a device pays them once per window
-    # it runs. The head also runs the output-only context, whose buffer holds a micro-batch of logits (n_ubatch x V
-    # floats: 512 MiB for Gemma 3 at n_ubatch 512) and is paid once.
+    # window of layers (hidden state out) at n_kv and the planned n_ubatch. A window gives its CPU buffer's pages
+    # back after a prompt and the windows run one at a time, so a device holds c^cpu once, plus, for each further
+    # window, what a one-token decode touches (the field below); GPU buffers are paid per window. The head also
+    # runs the output-only context, whose buffer holds a micro-batch of logits (n_ubatch x V floats: 512 MiB for
+    # Gemma 3 at n_ubatch 512) and is paid once.
     compute_buffer_output_bytes: int = 0
+    compute_buffer_row_bytes: int = 0  # c^cpu of a one-token micro-batch
 
     @property
     def hidden_bytes(self) -> int:

@@ -67,6 +67,9 @@ llama_init_window_from_model = _bind(
     _ll.llama_context_p_ctypes,
 )
 
+# LLAMA_API size_t llama_window_release_compute(struct llama_context * ctx);
+llama_window_release_compute = _bind("llama_window_release_compute", [_ll.llama_context_p_ctypes], ctypes.c_size_t)
+
 
 # ggml's CPU thread pool (ggml.h, ggml-cpu.h). Without one, llama.cpp starts and joins fresh threads for every
 # decode call; a window chain makes several calls per token, so a process keeps one pool for all its windows.

@@ -51,6 +51,10 @@ class ContextSettings:
     # each compute thread on a core of its own: True, False, or None (when the threads use every core the
     # process may run on; engine/affinity.py says why)
     pin_threads: bool | None = None
+    # give the compute buffer's pages back to the OS after a batch of more than one row (a prompt): they hold
+    # nothing a later call reads, and a one-token decode touches only a small part of a buffer sized for n_ubatch
+    # rows, so a device keeps that small part per window instead of a prompt-sized buffer each (docs/memory.md)
+    release_compute: bool = True
 
     @property
     def threads(self) -> int:
@@ -260,6 +264,7 @@ class Window:
         self._pos = np.ctypeslib.as_array(self._batch.pos, (n_batch,))
         self._want = np.ctypeslib.as_array(self._batch.logits, (n_batch,))
         self._seq = -1
+        self.compute_released_bytes = 0  # compute buffer pages given back so far (ContextSettings.release_compute)
         # freed before the model, in reverse order of creation (llama.cpp needs contexts gone first)
         model._stack.callback(self.close)
 
@@ -307,6 +312,8 @@ class Window:
                 # one copy out of llama.cpp's buffer (np.ctypeslib.as_array costs more than the copy here)
                 raw = ctypes.string_at(ctypes.cast(src, ctypes.c_void_p).value or 0, n_out * width * 4)
                 out.append(np.frombuffer(raw, dtype=np.float32).reshape(n_out, width))
+        if n > 1 and self.settings.release_compute:
+            self.compute_released_bytes += _native.llama_window_release_compute(self._ctx)
         if not out:
             return np.empty((0, width), dtype=np.float32)
         return np.concatenate(out) if len(out) > 1 else out[0]

@@ -14,7 +14,7 @@ from primaplug.core.errors import PrimaplugError, ProtocolError
 from primaplug.core.windows import LayerRange
 from primaplug.engine import BUSY_POLL, ContextSettings, Model, ModelLayout, Window
 from primaplug.engine.affinity import on_cpu
-from primaplug.memory.policy import plan_prefetch
+from primaplug.memory.policy import plan_prefetch, repack_allowed, repack_note
 from primaplug.memory.prefetcher import Prefetcher, Switches
 from primaplug.memory.system import MemoryView, memory_view
 from primaplug.profiler.model import compute_buffer_layers_bytes
@@ -33,9 +33,14 @@ class MemorySettings:
 
 
 def reserved_bytes(layout: ModelLayout, windows: list[LayerRange], n_ctx: int, n_batch: int, n_ubatch: int) -> int:
-    """What windows need besides weights: their KV cache and one llama.cpp compute buffer each."""
+    """What windows need besides weights: their KV cache and their llama.cpp compute buffers. A window gives its
+    buffer's pages back after a prompt (ContextSettings.release_compute), and the windows run one at a time, so
+    one buffer sized for a micro-batch is resident at most, beside what a one-token decode touches in the others."""
     kv = sum(layout.kv_bytes_per_token(il) * n_ctx for w in windows for il in range(w.start, w.end))
-    return kv + len(windows) * compute_buffer_layers_bytes(layout, n_ctx, n_batch, n_ubatch)
+    if not windows:
+        return kv
+    one_row = compute_buffer_layers_bytes(layout, n_ctx, 1, 1)
+    return kv + compute_buffer_layers_bytes(layout, n_ctx, n_batch, n_ubatch) + (len(windows) - 1) * one_row
 
 
 def weights_budget(layout: ModelLayout, windows: list[LayerRange], n_ctx: int, n_batch: int, n_ubatch: int,
@@ -121,18 +126,19 @@ class Deployment:
         used = [r for r in ranges if r.n_layers]
         gpu = [il for w in specs for il in range(w.start, w.start + w.gpu_layers)]
         a = assignment
+        view = memory_view()
         budget = memory.budget_bytes if memory.budget_bytes is not None else \
-            weights_budget(layout, used, a.n_ctx, a.n_batch, a.n_ubatch, memory_view())
+            weights_budget(layout, used, a.n_ctx, a.n_batch, a.n_ubatch, view)
         sw = memory.switches
         plan = plan_prefetch([layout.window_ranges(r) for r in used], budget, keep=sw.keep)
         units = _Units(per_layer=plan.mode == "stream" and sw.layers)
         if units.per_layer:  # stream layer by layer (see _Units)
             plan = plan_prefetch([layout.window_ranges(LayerRange(il, il + 1)) for r in used
                                   for il in range(r.start, r.end)], budget, keep=sw.keep, unit="layer")
+        repack = repack_allowed(plan, reserved_bytes(layout, used, a.n_ctx, a.n_batch, a.n_ubatch), view.total_bytes)
         progress(0.05, f"mapping {os.path.basename(path)} for windows {', '.join(map(str, used)) or '(relay only)'}"
-                       f"; {plan.describe()}")
-        # streamed weights must stay backed by the file: repacking would copy them into anonymous memory
-        model = Model(path, used, output=False, gpu_layers=gpu, repack=plan.mode == "resident", layout=layout)
+                       f"; {plan.describe()}{repack_note(plan, repack)}")
+        model = Model(path, used, output=False, gpu_layers=gpu, repack=repack, layout=layout)
         try:
             settings = ContextSettings(n_ctx=assignment.n_ctx, n_batch=assignment.n_batch,
                                        n_ubatch=assignment.n_ubatch, n_threads=assignment.n_threads,

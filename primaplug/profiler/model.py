@@ -176,4 +176,5 @@ def profile_model(layout: ModelLayout, *, n_ctx: int, n_batch: int, n_ubatch: in
         # a window on the GPU builds the same graph there; its CPU side then keeps only inputs and outputs
         compute_buffer_gpu_bytes=layers_buffer,
         compute_buffer_output_bytes=compute_buffer_output_bytes(layout, n_ctx, n_batch, n_ubatch),
+        compute_buffer_row_bytes=compute_buffer_layers_bytes(layout, n_ctx, 1, 1),
     )

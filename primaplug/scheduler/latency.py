@@ -74,7 +74,8 @@ class Platform:
     ram_cap: np.ndarray  # int: d^avail (+ d^swapout on Android); d^avail_metal with Metal
     ram_total: np.ndarray  # int: total memory (the cgroup's limit inside one); 0 where not measured
     ram_head: np.ndarray  # int: head only: b_i/V + b_o + the output context's compute buffer
-    ram_window: np.ndarray  # int: per window (one llama.cpp context each): c^cpu (+ c^gpu on Metal)
+    ram_window: np.ndarray  # int: a device's first window (one llama.cpp context each): c^cpu (+ c^gpu on Metal)
+    ram_window_more: np.ndarray  # int: each further window: a one-token c^cpu (ModelProfile; + c^gpu on Metal)
     vram_cap: np.ndarray  # int: d^avail_cuda, or d^avail_metal; 0 without a usable GPU
     vram_head: np.ndarray  # int: b_o on a Metal head (Eq. 35)
     vram_window: np.ndarray  # int: c^gpu per window on a device with a usable GPU
@@ -89,7 +90,7 @@ class Platform:
 
     def ram_fixed(self, k: int) -> np.ndarray:
         """Bytes besides layers counted against ram_cap with k windows per device (the paper's B_m)."""
-        return self.ram_head + k * self.ram_window
+        return self.ram_head + self.ram_window + (k - 1) * self.ram_window_more
 
     def vram_room(self, k: int) -> np.ndarray:
         """VRAM left for GPU layers with k windows per device; negative: the GPU cannot be used."""
@@ -124,7 +125,8 @@ class Platform:
 
 
 _PER_DEVICE = ("kind", "gpu", "head", "t_cpu", "t_gpu", "m_cpu", "m_gpu", "copy", "comm", "disk_bps", "slow_disk",
-               "ram_cap", "ram_total", "ram_head", "ram_window", "vram_cap", "vram_head", "vram_window")
+               "ram_cap", "ram_total", "ram_head", "ram_window", "ram_window_more", "vram_cap", "vram_head",
+               "vram_window")
 
 
 def _kind(d: DeviceProfile) -> int:
@@ -154,6 +156,9 @@ def platform(
     c_cpu, c_gpu = model.compute_buffer_cpu_bytes, model.compute_buffer_gpu_bytes
     ram_head = np.where(head, head_extra + model.compute_buffer_output_bytes, 0)
     ram_window = np.where(kind == MACOS_METAL, c_cpu + c_gpu, c_cpu)
+    # a window gives its CPU buffer's pages back after a prompt (engine: ContextSettings.release_compute); Metal's
+    # buffers are the GPU's and are not given back
+    ram_window_more = np.where(kind == MACOS_METAL, c_cpu + c_gpu, model.compute_buffer_row_bytes)
     vram_head = np.where(head & (kind == MACOS_METAL), model.output_bytes, 0)
     vram_window = np.where(gpu, c_gpu, 0)
     for i, d in enumerate(devices):
@@ -186,7 +191,8 @@ def platform(
         copy=np.array(copy), comm=np.array(comm), disk_bps=disk_bps, slow_disk=disk_bps <= slow_disk_bps,
         ram_cap=np.array(ram_cap, dtype=np.int64),
         ram_total=np.array([d.mem_total_bytes for d in devices], dtype=np.int64), ram_head=ram_head.astype(np.int64),
-        ram_window=ram_window.astype(np.int64), vram_cap=np.array(vram_cap, dtype=np.int64),
+        ram_window=ram_window.astype(np.int64), ram_window_more=ram_window_more.astype(np.int64),
+        vram_cap=np.array(vram_cap, dtype=np.int64),
         vram_head=vram_head.astype(np.int64), vram_window=vram_window.astype(np.int64),
         layer_bytes=model.layer_bytes, layer_kv_bytes=bp, head_extra=head_extra, lookup_bytes=lookup,
     )
