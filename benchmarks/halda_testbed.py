@@ -26,6 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import need_charts  # noqa: E402
 from benchmarks.memory_testbed import CACHE, RESULTS, model_file  # noqa: E402
 from benchmarks.testbed.cgroups import CgroupUnavailableError  # noqa: E402
 from benchmarks.testbed.cluster import Terminated, Testbed, unwind_on_sigterm  # noqa: E402
@@ -99,6 +100,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workdir", default=str(CACHE / "testbed"))
     a = ap.parse_args()
+    need_charts()
 
     unwind_on_sigterm()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -32,6 +32,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import need_charts  # noqa: E402
 from benchmarks.testbed.cgroups import CgroupUnavailableError  # noqa: E402
 from benchmarks.testbed.cluster import Terminated, Testbed, unwind_on_sigterm  # noqa: E402
 from benchmarks.testbed.devices import Device, load_devices  # noqa: E402
@@ -200,6 +201,7 @@ def main() -> int:
     ap.add_argument("--fit-trials", type=int, default=3)
     ap.add_argument("--workdir", default=str(CACHE / "testbed"), help="model copies and node logs")
     a = ap.parse_args()
+    need_charts()
 
     unwind_on_sigterm()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
