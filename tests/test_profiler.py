@@ -485,3 +485,26 @@ def test_profile_this_machine(calibration_dir) -> None:
     # the second call takes the speeds from the cache
     again = device.profile_device("ci", cache_dir=calibration_dir)
     assert again.cpu_flops == p.cpu_flops and again.disk_seq_bps == p.disk_seq_bps
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_node_reserve_and_scheduler_count_the_same_compute_buffers(model_dir, k: int) -> None:
+    """A node reserves, beside its KV cache, one compute buffer sized for a prompt and the one-token part of it for
+    every further window (windows give their buffers back after a prompt); Halda's RAM need must count the same,
+    or it plans windows the node cannot hold."""
+    from primaplug.core.windows import LayerRange
+    from primaplug.node.deployment import reserved_bytes
+    from primaplug.scheduler.latency import platform
+
+    layout = read_layout(synthetic_path(model_dir, "llama", 9, "Q8_0"))
+    n_ctx, n_batch, n_ubatch = 512, 64, 32
+    windows = [LayerRange(2 * r, 2 * r + 1) for r in range(k)]
+    kv = sum(layout.kv_bytes_per_token(w.start) * n_ctx for w in windows)
+    node = reserved_bytes(layout, windows, n_ctx, n_batch, n_ubatch) - kv
+    mp = profile_model(layout, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch)
+    peer = DeviceProfile(name="peer", os="linux", cpu_flops={q: 1e11 for q in QUANT_TYPES},
+                         mem_available_bytes=1 << 30)
+    p = platform([peer, peer], mp)
+    assert (p.ram_fixed(k) - p.ram_head)[1] == node
+    assert node == compute_buffer_layers_bytes(layout, n_ctx, n_batch, n_ubatch) + \
+        (k - 1) * compute_buffer_layers_bytes(layout, n_ctx, 1, 1)
