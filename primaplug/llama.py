@@ -167,14 +167,13 @@ def _head_memory_plan(layout: ModelLayout, windows: list[LayerRange], n_ctx: int
     from primaplug.profiler import compute_buffer_output_bytes
 
     view = memory_view()
-    out_buffer = compute_buffer_output_bytes(layout, n_ctx, n_batch, n_ubatch)
+    reserved = reserved_bytes(layout, windows, n_ctx, n_batch, n_ubatch) + \
+        compute_buffer_output_bytes(layout, n_ctx, n_batch, n_ubatch)
     if budget is None:
-        budget = weights_budget(layout, windows, n_ctx, n_batch, n_ubatch, view,
-                                other_bytes=layout.output_bytes + out_buffer)
+        budget = weights_budget(view, reserved + layout.output_bytes)
     plan = plan_prefetch([layout.window_ranges(r) for r in windows], budget)
     if plan.mode == "stream":
         log.warning("the head's windows do not fit in its memory: %s", plan.describe())
-    reserved = reserved_bytes(layout, windows, n_ctx, n_batch, n_ubatch) + out_buffer
     return plan, repack_allowed(plan, reserved, view.total_bytes)
 
 

@@ -69,7 +69,6 @@ def test_kv_cache_holds_only_the_window_layers(model_dir) -> None:
     assert 0 <= sa - per_layer * a < per_layer
 
 
-
 def _anon_bytes() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))

@@ -43,12 +43,11 @@ def reserved_bytes(layout: ModelLayout, windows: list[LayerRange], n_ctx: int, n
     return kv + compute_buffer_layers_bytes(layout, n_ctx, n_batch, n_ubatch) + (len(windows) - 1) * one_row
 
 
-def weights_budget(layout: ModelLayout, windows: list[LayerRange], n_ctx: int, n_batch: int, n_ubatch: int,
-                   view: MemoryView, other_bytes: int = 0) -> int:
-    """Available memory, less the windows' KV cache and compute buffers, `other_bytes` (the head's output layer)
-    and a margin: what the windows' weights may use. Nodes and the head size their memory plan with it."""
-    return (view.available_bytes - reserved_bytes(layout, windows, n_ctx, n_batch, n_ubatch) - other_bytes
-            - int(MARGIN * view.total_bytes))
+def weights_budget(view: MemoryView, reserved: int) -> int:
+    """Available memory, less what is `reserved` besides the windows' weights (reserved_bytes, and on the head its
+    output layer) and a margin: what the windows' weights may use. Nodes and the head size their memory plan
+    with it."""
+    return view.available_bytes - reserved - int(MARGIN * view.total_bytes)
 
 
 class _Units:
@@ -127,15 +126,15 @@ class Deployment:
         gpu = [il for w in specs for il in range(w.start, w.start + w.gpu_layers)]
         a = assignment
         view = memory_view()
-        budget = memory.budget_bytes if memory.budget_bytes is not None else \
-            weights_budget(layout, used, a.n_ctx, a.n_batch, a.n_ubatch, view)
+        reserved = reserved_bytes(layout, used, a.n_ctx, a.n_batch, a.n_ubatch)
+        budget = memory.budget_bytes if memory.budget_bytes is not None else weights_budget(view, reserved)
         sw = memory.switches
         plan = plan_prefetch([layout.window_ranges(r) for r in used], budget, keep=sw.keep)
         units = _Units(per_layer=plan.mode == "stream" and sw.layers)
         if units.per_layer:  # stream layer by layer (see _Units)
             plan = plan_prefetch([layout.window_ranges(LayerRange(il, il + 1)) for r in used
                                   for il in range(r.start, r.end)], budget, keep=sw.keep, unit="layer")
-        repack = repack_allowed(plan, reserved_bytes(layout, used, a.n_ctx, a.n_batch, a.n_ubatch), view.total_bytes)
+        repack = repack_allowed(plan, reserved, view.total_bytes)
         progress(0.05, f"mapping {os.path.basename(path)} for windows {', '.join(map(str, used)) or '(relay only)'}"
                        f"; {plan.describe()}{repack_note(plan, repack)}")
         model = Model(path, used, output=False, gpu_layers=gpu, repack=repack, layout=layout)
