@@ -119,9 +119,7 @@ class Llama(RingLlama):
             cluster.deploy(progress)
             threads = kwargs.get("n_threads") or max(1, (os.cpu_count() or 2) // 2)  # llama_cpp.Llama's default
             ctx = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads)
-            windows: list[Window | _StreamedWindow | None] = [
-                head.window(r.start, r.end, output_hidden=True, settings=ctx) if r.n_layers else None
-                for r in cluster.head_ranges]
+            windows: list[Window | _StreamedWindow | None] = list(head.round_windows(cluster.head_ranges, settings=ctx))
             if memory.mode == "stream":
                 self._prefetcher = Prefetcher(str(path), memory)
                 streamed = [i for i, w in enumerate(windows) if w is not None]

@@ -75,12 +75,19 @@ def _anon_bytes() -> int:
 
 
 def _run_windows(path: str, windows: list[LayerRange], settings: ContextSettings, steps: int,
-                 prompt: list[int]) -> tuple[list[int], int, int]:
-    """In a fresh process: greedy tokens through the chained windows (the last outputs logits), the growth of
-    anonymous memory from before the first forward to the end, and the compute bytes the windows gave back."""
+                 prompt: list[int], shared: bool = False, count_creation: bool = False) -> tuple[list[int], int, int]:
+    """In a fresh process: greedy tokens through the chained windows (the last outputs logits; with shared, the
+    others share one context), the growth of anonymous memory from before the first forward (or, count_creation,
+    from before the windows are created) to the end, and the compute bytes the windows gave back."""
     with Model(path, windows) as model:
-        ws = [model.window(r.start, r.end, settings=settings) for r in windows]
         before = _anon_bytes()
+        if shared:
+            ws = [*model.shared_windows(windows[:-1], settings=settings),
+                  model.window(windows[-1].start, windows[-1].end, settings=settings)]
+        else:
+            ws = [model.window(r.start, r.end, settings=settings) for r in windows]
+        if not count_creation:
+            before = _anon_bytes()
         tokens: list[int] = []
         feed, pos = np.asarray(prompt), 0
         for _ in range(steps):

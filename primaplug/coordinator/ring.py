@@ -97,7 +97,7 @@ class RingHead:
 
     def _kv(self, op: KvOp) -> None:
         self._round_trip(op, None, f"kv {op.op} from position {op.p0}")
-        for w in self.head_windows:
+        for w in self.head_windows:  # windows sharing a context see the op once per window: it is idempotent
             if w is not None:
                 w.kv_clear() if op.op == "clear" else w.kv_remove(op.seq_id, op.p0, op.p1)
 

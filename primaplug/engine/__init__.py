@@ -19,18 +19,19 @@ from primaplug.engine.layout import SUPPORTED_ARCHS, ModelLayout, TensorSpan, re
 
 if TYPE_CHECKING:
     from primaplug.engine.chain import WindowChain
-    from primaplug.engine.model import ContextSettings, Model, Window
+    from primaplug.engine.model import ContextSettings, Model, Window, one_per_context
 
 _LAZY = {
     "Model": "primaplug.engine.model",
     "Window": "primaplug.engine.model",
     "ContextSettings": "primaplug.engine.model",
     "BUSY_POLL": "primaplug.engine.model",
+    "one_per_context": "primaplug.engine.model",
     "WindowChain": "primaplug.engine.chain",
 }
 
 __all__ = ["SUPPORTED_ARCHS", "ContextSettings", "Model", "ModelLayout", "TensorSpan", "Window", "WindowChain",
-           "read_layout"]
+           "one_per_context", "read_layout"]
 
 
 def __getattr__(name: str) -> Any:

@@ -67,6 +67,20 @@ llama_init_window_from_model = _bind(
     _ll.llama_context_p_ctypes,
 )
 
+# LLAMA_API struct llama_context * llama_init_windows_from_model(
+#                  struct llama_model * model,
+#         struct llama_context_params   params,
+#                       const int32_t * bounds,
+#                              size_t   n_windows);
+llama_init_windows_from_model = _bind(
+    "llama_init_windows_from_model",
+    [_ll.llama_model_p_ctypes, _ll.llama_context_params, ctypes.POINTER(ctypes.c_int32), ctypes.c_size_t],
+    _ll.llama_context_p_ctypes,
+)
+
+# LLAMA_API int32_t llama_window_select(struct llama_context * ctx, int32_t i_window);
+llama_window_select = _bind("llama_window_select", [_ll.llama_context_p_ctypes, ctypes.c_int32], ctypes.c_int32)
+
 # LLAMA_API size_t llama_window_release_compute(struct llama_context * ctx);
 llama_window_release_compute = _bind("llama_window_release_compute", [_ll.llama_context_p_ctypes], ctypes.c_size_t)
 

@@ -10,6 +10,7 @@ turns that hidden state into logits).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
@@ -163,7 +164,81 @@ class Model:
             )
         if not hidden and not self.output:
             raise WindowRangeError(f"window {rng} outputs logits, but this Model was loaded with output=False")
-        return Window(self, rng, hidden, settings or ContextSettings(), on_layer)
+        context = _Context(
+            self, settings or ContextSettings(), on_layer is not None,
+            lambda params: _native.llama_init_window_from_model(self._ptr, params, start, end, hidden),
+            f"window {rng}")
+        return Window(self, rng, hidden, context, on_layer=on_layer)
+
+    @property
+    def can_share_context(self) -> bool:
+        """Whether this model's windows can share one llama.cpp context (shared_windows): not with sliding-window
+        attention, whose cache may drop cells that a later window still needs while the first runs a long batch."""
+        return not any(self.layout.swa_layers)
+
+    def shared_windows(
+        self,
+        windows: Sequence[LayerRange | tuple[int, int]],
+        *,
+        settings: ContextSettings | None = None,
+        on_layer: Sequence[Callable[[int], None] | None] | None = None,
+    ) -> list[Window]:
+        """Open windows that run one at a time, in the given order, on one llama.cpp context: a device's windows,
+        one per round of a pipelined ring. They output hidden states. One KV cache holds all their layers, and
+        they share one compute buffer, one output buffer and one graph's tables, where separate windows (window())
+        pay each once per window: about 3.6 MiB a window on the memory testbed's model (docs/memory.md).
+
+        The first window places each batch's tokens in the cache; a later one must compute the same positions after
+        it (the ring's order) and writes its layers into the same cells. The KV methods of any of them apply to all.
+        windows: non-empty, disjoint, in increasing layer order. on_layer: one callback (or None) per window.
+        """
+        ranges = [_as_range(w) for w in windows]
+        hooks = list(on_layer) if on_layer is not None else [None] * len(ranges)
+        if not ranges or len(hooks) != len(ranges):
+            raise WindowRangeError(f"need at least one window and one on_layer entry per window, got {len(ranges)} "
+                                   f"window(s) and {len(hooks)} entries")
+        if not self.can_share_context:
+            raise WindowRangeError(f"{self.layout.arch} uses sliding-window attention: open its windows one context "
+                                   "each (Model.window)")
+        for a, b in itertools.pairwise(ranges):
+            if b.start < a.end:
+                raise WindowRangeError(f"windows {a} and {b} overlap or are out of order")
+        for r in ranges:
+            if not r.n_layers:
+                raise WindowRangeError(f"window {r} is empty: a shared context runs layers")
+            missing = sorted(set(range(r.start, r.end)) - self.layers)
+            if missing:
+                raise WindowRangeError(f"window {r} needs layers {missing[0]}..{missing[-1]}, which this Model was not "
+                                       f"loaded for (its windows: {', '.join(map(str, self.windows))})")
+        bounds = (ctypes.c_int32 * (2 * len(ranges)))(*(x for r in ranges for x in (r.start, r.end)))
+        context = _Context(
+            self, settings or ContextSettings(), any(h is not None for h in hooks),
+            lambda params: _native.llama_init_windows_from_model(self._ptr, params, bounds, len(ranges)),
+            f"a context for windows {', '.join(map(str, ranges))}")
+        context.selected = 0
+        return [Window(self, r, True, context, index=i, on_layer=h)
+                for i, (r, h) in enumerate(zip(ranges, hooks, strict=True))]
+
+    def round_windows(
+        self,
+        ranges: Sequence[LayerRange],
+        *,
+        settings: ContextSettings | None = None,
+        on_layer: Sequence[Callable[[int], None] | None] | None = None,
+    ) -> list[Window | None]:
+        """A device's windows, one per round of a ring (None for a round in which it runs no layer), all outputting
+        hidden states: on one shared context where the model allows it (shared_windows), one context each
+        otherwise. on_layer: one callback (or None) per round."""
+        hooks = list(on_layer) if on_layer is not None else [None] * len(ranges)
+        if len(hooks) != len(ranges):
+            raise WindowRangeError(f"{len(ranges)} round(s) but {len(hooks)} on_layer entries")
+        used = [i for i, r in enumerate(ranges) if r.n_layers]
+        if len(used) > 1 and self.can_share_context:
+            shared = iter(self.shared_windows([ranges[i] for i in used], settings=settings,
+                                              on_layer=[hooks[i] for i in used]))
+            return [next(shared) if r.n_layers else None for r in ranges]
+        return [self.window(r.start, r.end, output_hidden=True, settings=settings, on_layer=h) if r.n_layers else None
+                for r, h in zip(ranges, hooks, strict=True)]
 
     def _threadpool(self, settings: ContextSettings) -> tuple[int, int | None]:
         """The CPU thread pool shared by this model's windows with the same settings, and the core its calling
@@ -236,37 +311,101 @@ class Model:
         self.close()
 
 
-class Window:
-    """A llama.cpp context that computes layers [start, end) of a Model. Create it with Model.window()."""
+class _Batch:
+    """A llama_batch allocated once: token ids (n_embd 0) or hidden rows of n_embd floats, one sequence per row."""
 
-    def __init__(self, model: Model, layers: LayerRange, output_hidden: bool, settings: ContextSettings,
-                 on_layer: Callable[[int], None] | None = None) -> None:
+    def __init__(self, n_batch: int, n_embd: int) -> None:
+        self.raw = _ll.llama_batch_init(n_batch, n_embd, 1)
+        self.n_batch = n_batch
+        self.pos = np.ctypeslib.as_array(self.raw.pos, (n_batch,))
+        self.want = np.ctypeslib.as_array(self.raw.logits, (n_batch,))
+        self._seq = -1
+
+    def fill(self, rows: np.ndarray, pos: np.ndarray, want: np.ndarray, seq_id: int) -> None:
+        b, n = self.raw, len(rows)
+        ctypes.memmove(b.embd if rows.dtype == np.float32 else b.token, rows.ctypes.data, rows.nbytes)
+        self.pos[:n] = pos
+        self.want[:n] = want
+        if seq_id != self._seq:
+            for k in range(self.n_batch):
+                b.n_seq_id[k] = 1
+                b.seq_id[k][0] = seq_id
+            self._seq = seq_id
+        b.n_tokens = n
+
+    def free(self) -> None:
+        _ll.llama_batch_free(self.raw)
+
+
+def _ignore_layer(_il: int) -> None:
+    pass
+
+
+class _Context:
+    """A llama.cpp context with its batches: one window's own, or one shared by several windows of a Model
+    (Model.shared_windows), which run one at a time and select themselves before they compute."""
+
+    def __init__(self, model: Model, settings: ContextSettings, with_progress: bool,
+                 create: Callable[[_ll.llama_context_params], int | None], what: str) -> None:
+        self.settings = settings
+        self.n_embd = model.layout.n_embd
+        pool, self.cpu = model._threadpool(settings)  # the core the calling thread computes on, if pinned
+        params = settings.params()
+        # one callback per context; a shared context points it at the selected window's on_layer
+        self.progress = LayerProgress(_ignore_layer) if with_progress else None
+        if self.progress is not None:
+            params.cb_eval = self.progress.callback
+        ptr = create(params)
+        if not ptr:
+            raise EngineError(f"could not create {what}: {_log.take_errors() or 'see the log'}")
+        self.ptr = ptr
+        _native.llama_attach_threadpool(ptr, pool, pool)
+        self._batches: dict[bool, _Batch] = {}
+        self.selected: int | None = None
+        self.windows_open = 0
+        self.closed = False
+        # freed before the model, in reverse order of creation (llama.cpp needs contexts gone first)
+        model._stack.callback(self.close)
+
+    def batch(self, tokens: bool) -> _Batch:
+        """The batch for token ids or for hidden rows, allocated on first use and kept."""
+        if tokens not in self._batches:
+            self._batches[tokens] = _Batch(self.settings.n_batch, 0 if tokens else self.n_embd)
+        return self._batches[tokens]
+
+    def window_closed(self) -> None:
+        self.windows_open -= 1
+        if self.windows_open <= 0:
+            self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            for b in self._batches.values():
+                b.free()
+            _ll.llama_free(self.ptr)
+
+
+class Window:
+    """Layers [start, end) of a Model, computed by a llama.cpp context: the window's own (Model.window) or one
+    shared with the device's other windows (Model.shared_windows)."""
+
+    def __init__(self, model: Model, layers: LayerRange, output_hidden: bool, context: _Context,
+                 index: int | None = None, on_layer: Callable[[int], None] | None = None) -> None:
         self.model = model
         self.layers = layers
         self.output_hidden = output_hidden
-        self.settings = settings
+        self.settings = context.settings
         self.n_embd = model.layout.n_embd
         self.n_vocab = model.layout.n_vocab
-        pool, self.cpu = model._threadpool(settings)  # the core the calling thread computes on, if pinned
-        params = settings.params()
-        self._progress = LayerProgress(on_layer) if on_layer is not None else None
-        if self._progress is not None:
-            params.cb_eval = self._progress.callback
-        ctx = _native.llama_init_window_from_model(model._ptr, params, layers.start, layers.end, output_hidden)
-        if not ctx:
-            raise EngineError(f"could not create window {layers}: {_log.take_errors() or 'see the log'}")
-        self._ctx = ctx
+        self.cpu = context.cpu
+        self.context = context  # windows with the same context share its KV cache (kv_* apply to all of them)
+        self._index = index  # its place in a shared context; None: the context is its own
+        self._on_layer = on_layer or _ignore_layer
+        self._ctx = context.ptr
         self._closed = False
-        _native.llama_attach_threadpool(ctx, pool, pool)
-        # the batch is allocated once: token ids for the first window, hidden rows for the others
-        n_batch = settings.n_batch
-        self._batch = _ll.llama_batch_init(n_batch, 0 if layers.start == 0 else self.n_embd, 1)
-        self._pos = np.ctypeslib.as_array(self._batch.pos, (n_batch,))
-        self._want = np.ctypeslib.as_array(self._batch.logits, (n_batch,))
-        self._seq = -1
+        context.windows_open += 1
         self.compute_released_bytes = 0  # compute buffer pages given back so far (ContextSettings.release_compute)
-        # freed before the model, in reverse order of creation (llama.cpp needs contexts gone first)
-        model._stack.callback(self.close)
 
     @property
     def takes_tokens(self) -> bool:
@@ -332,23 +471,17 @@ class Window:
         return rows
 
     def _decode(self, rows: np.ndarray, pos: np.ndarray, want: np.ndarray, seq_id: int) -> None:
-        b, n = self._batch, len(rows)
-        if self.takes_tokens:
-            ctypes.memmove(b.token, rows.ctypes.data, rows.nbytes)
-        else:
-            ctypes.memmove(b.embd, rows.ctypes.data, rows.nbytes)
-        self._pos[:n] = pos
-        self._want[:n] = want
-        if seq_id != self._seq:
-            for k in range(self.settings.n_batch):
-                b.n_seq_id[k] = 1
-                b.seq_id[k][0] = seq_id
-            self._seq = seq_id
-        b.n_tokens = n
-        if self._progress is not None:
-            self._progress.reset()
+        ctx, n = self.context, len(rows)
+        if self._index is not None and ctx.selected != self._index:
+            if _native.llama_window_select(self._ctx, self._index) != 0:
+                raise EngineError(f"window {self.layers}: could not select it: {_log.take_errors() or 'see the log'}")
+            ctx.selected = self._index
+        ctx.batch(self.takes_tokens).fill(rows, pos, want, seq_id)
+        if ctx.progress is not None:
+            ctx.progress.on_layer = self._on_layer
+            ctx.progress.reset()
         with on_cpu(self.cpu):
-            code = _ll.llama_decode(self._ctx, b)
+            code = _ll.llama_decode(self._ctx, ctx.batch(self.takes_tokens).raw)
         if code != 0:
             raise EngineError(
                 f"window {self.layers}: llama_decode failed for {n} tokens at positions {pos[0]}..{pos[-1]}"
@@ -382,15 +515,24 @@ class Window:
     # --- lifetime ------------------------------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._closed or self.context.closed:
             raise EngineError(f"window {self.layers} is closed")
 
     def close(self) -> None:
+        """Close the window; its context goes with the last window that uses it."""
         if not self._closed:
             self._closed = True
-            _ll.llama_batch_free(self._batch)
-            _ll.llama_free(self._ctx)
+            self.context.window_closed()
 
     def __repr__(self) -> str:
         kind = "hidden" if self.output_hidden else "logits"
         return f"Window({self.layers}, out={kind})"
+
+
+def one_per_context(windows: Iterable[Window | None]) -> list[Window]:
+    """One window for each llama.cpp context among these: the ones whose KV methods reach every window."""
+    seen: dict[int, Window] = {}
+    for w in windows:
+        if w is not None:
+            seen.setdefault(id(w.context), w)
+    return list(seen.values())

@@ -12,7 +12,7 @@ import numpy as np
 from primaplug.core.budget import MARGIN
 from primaplug.core.errors import PrimaplugError, ProtocolError
 from primaplug.core.windows import LayerRange
-from primaplug.engine import BUSY_POLL, ContextSettings, Model, ModelLayout, Window
+from primaplug.engine import BUSY_POLL, ContextSettings, Model, ModelLayout, Window, one_per_context
 from primaplug.engine.affinity import on_cpu
 from primaplug.memory.policy import plan_prefetch, repack_allowed, repack_note
 from primaplug.memory.prefetcher import Prefetcher, Switches
@@ -142,12 +142,12 @@ class Deployment:
             settings = ContextSettings(n_ctx=assignment.n_ctx, n_batch=assignment.n_batch,
                                        n_ubatch=assignment.n_ubatch, n_threads=assignment.n_threads,
                                        n_seq_max=assignment.n_seq_max, poll=BUSY_POLL, pin_threads=pin_threads)
-            windows: list[Window | None] = []
             for i, r in enumerate(ranges):
-                progress(0.1 + 0.85 * i / len(ranges), f"creating window {r} (round {i + 1}/{len(ranges)})")
                 units.add(i, r)
-                windows.append(model.window(r.start, r.end, output_hidden=True, settings=settings,
-                                            on_layer=units.hook(i, r)) if r.n_layers else None)
+            progress(0.1, f"creating windows {', '.join(map(str, used)) or '(none)'}"
+                          f"{' on one shared context' if len(used) > 1 and model.can_share_context else ''}")
+            windows = model.round_windows(ranges, settings=settings,
+                                          on_layer=[units.hook(i, r) for i, r in enumerate(ranges)])
             model.pause_threads()  # asleep until a message comes (run)
             out = transport.ring_out(assignment.successor)
             prefetcher = Prefetcher(path, plan, memory.switches) if used else None
@@ -204,9 +204,7 @@ class Deployment:
             self.units.done(msg.round)
 
     def apply(self, op: KvOp) -> None:
-        for w in self.windows:
-            if w is None:
-                continue
+        for w in one_per_context(self.windows):  # windows on a shared context share its KV cache
             if op.op == "clear":
                 w.kv_clear()
             else:
