@@ -3,13 +3,18 @@
 in the same run (paired blocks taking turns, medians), and the cost of one ring hop.
 
     .venv/bin/python benchmarks/ring_overhead.py [--model PATH] [--block 8] [--rounds 40] [--threads 2]
+    .venv/bin/python benchmarks/ring_overhead.py --cores separate
 
 Variants: plain llama-cpp-python on the whole model; one node holding every layer; three nodes with one round;
-three nodes with two rounds (each on nodes of its own). Every variant decodes the same tokens (plain llama's
-greedy continuation) with the same thread count, in short blocks taking turns at the same positions; ratios are
-paired within a round (median over rounds). The hop cost is half the round trip of a message through a node that
-relays it (decode, validate, encode, send), for 1 and 512 rows of n_embd = 4096 float32.
-Writes benchmarks/results/ring_overhead.json.
+three nodes with two rounds (each on nodes of its own). With --cores shared (the default) every process runs on
+every core, so the head and the nodes take turns on the same cores. With --cores separate the run emulates two
+devices: the head (and plain llama, its baseline) on one half of the cores, the one node on the other, each with a
+thread per core of its half; only plain llama and the one-node ring run (three nodes would need four devices).
+Every variant decodes the same tokens (plain llama's greedy continuation) with the same thread count, in short
+blocks taking turns at the same positions; ratios are paired within a round (median over rounds). The hop cost is
+half the round trip of a message through a node that relays it (decode, validate, encode, send), for 1 and 512 rows
+of n_embd = 4096 float32.
+Writes benchmarks/results/ring_overhead.json (ring_overhead_separate_cores.json with --cores separate).
 Targets: one node within 5% of plain llama-cpp-python; a single-row hop under 0.5 ms.
 """
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import platform
 import statistics
 import sys
@@ -29,7 +35,16 @@ import numpy as np
 
 from primaplug.cli import default_model
 
-OUT = Path(__file__).resolve().parent / "results" / "ring_overhead.json"
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def split_cores() -> tuple[set[int], set[int]]:
+    """The cores of the head's device and of the node's: each half of the cores this process may use."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit(f"--cores separate needs at least 2 cores, this process may use {len(cpus)}")
+    half = len(cpus) // 2
+    return set(cpus[:half]), set(cpus[half:2 * half])
 
 
 def block_time(llm, tokens: list[int]) -> float:
@@ -87,8 +102,18 @@ def main() -> int:
     ap.add_argument("--model", help="GGUF file (default: the bundled Gemma 3 270M)")
     ap.add_argument("--block", type=int, default=8, help="tokens per variant per round (default 8)")
     ap.add_argument("--rounds", type=int, default=40, help="rounds of blocks (default 40)")
-    ap.add_argument("--threads", type=int, default=2, help="compute threads of every variant (default 2)")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="compute threads of every variant (default 2; with --cores separate: the cores of a half)")
+    ap.add_argument("--cores", choices=("shared", "separate"), default="shared",
+                    help="shared: every process on every core (default); separate: the head and one node on half "
+                         "the cores each, as on two devices")
     args = ap.parse_args()
+    separate = args.cores == "separate"
+    node_cores: set[int] = set()
+    if separate:
+        head_cores, node_cores = split_cores()
+        os.sched_setaffinity(0, head_cores)  # before any thread starts: they inherit it
+        args.threads = len(head_cores)
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("primaplug.llama").setLevel(logging.ERROR)
 
@@ -102,7 +127,9 @@ def main() -> int:
     n_layer = read_layout(path).n_layer
     kw = dict(n_ctx=1024, n_threads=args.threads, verbose=False)
     # every ring variant has nodes of its own (1 + 3 + 3), so that the variants can take turns without redeploying
-    with tempfile.TemporaryDirectory() as logs, LocalNodes(path, 7, log_dir=logs) as local:
+    n_nodes = 1 if separate else 7
+    pin = [(lambda: os.sched_setaffinity(0, node_cores)) if separate else None] * n_nodes
+    with tempfile.TemporaryDirectory() as logs, LocalNodes(path, n_nodes, log_dir=logs, preexec=pin) as local:
         plain = llama_cpp.Llama(str(path), **kw)
         prompt = plain.tokenize(b"The history of distributed computing begins with")
         tokens: list[int] = []  # plain llama's greedy continuation, fed identically to every variant
@@ -114,10 +141,11 @@ def main() -> int:
         variants = {
             "plain_llama": plain,
             "one_node": primaplug.Llama(path, nodes=a[:1], layers=[n_layer], node_threads=args.threads, **kw),
-            "three_nodes_1_round": primaplug.Llama(path, nodes=a[1:4], scheduler="even", node_threads=args.threads,
-                                                   **kw),
         }
-        if n_layer % 2 == 0:
+        if not separate:
+            variants["three_nodes_1_round"] = primaplug.Llama(path, nodes=a[1:4], scheduler="even",
+                                                              node_threads=args.threads, **kw)
+        if n_layer % 2 == 0 and not separate:
             variants["three_nodes_2_rounds"] = primaplug.Llama(path, nodes=a[4:7], scheduler="even", rounds=2,
                                                                node_threads=args.threads, **kw)
         for llm in variants.values():
@@ -142,6 +170,7 @@ def main() -> int:
     result = {
         "model": path.name,
         "machine": f"{platform.machine()}, {platform.system()} {platform.release()}",
+        "cores": args.cores,
         "threads": args.threads,
         "tokens_per_block": args.block,
         "rounds": args.rounds,
@@ -151,8 +180,9 @@ def main() -> int:
                                   for k, v in times.items()},
         "hop_n_embd_4096": hops,
     }
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=2) + "\n")
+    out = RESULTS / ("ring_overhead_separate_cores.json" if separate else "ring_overhead.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0
 
