@@ -140,3 +140,32 @@ def test_a_window_that_outputs_hidden_states_keeps_no_logits(gemma_path) -> None
     _, growth, _ = _in_fresh_process(str(gemma_path), [LayerRange(0, 9), LayerRange(9, 18)], settings, 1, prompt)
     logits_rows = 4 * layout.n_vocab * len(prompt)  # 64 MiB: what the hidden window's logits would take
     assert growth < logits_rows / 2, f"{growth / 2**20:.1f} MiB"
+
+
+def _kv_growth(path: str, settings: ContextSettings, prompt: list[int]) -> tuple[int, int, int]:
+    """In a fresh process: anonymous memory a window takes when created, after a prompt, and after a clear."""
+    with Model(path, [LayerRange(0, 9)]) as model:
+        before = _anon_bytes()
+        w = model.window(0, 9, settings=settings)
+        created = _anon_bytes() - before
+        w.forward(prompt, 0)
+        prompted = _anon_bytes() - before
+        w.kv_clear()
+        return created, prompted, _anon_bytes() - before
+
+
+@linux_only
+def test_a_kv_cache_takes_memory_as_tokens_fill_it(model_dir) -> None:
+    """llama.cpp wrote zeros over the whole KV cache when it made and cleared it, so a context for 4096 tokens took
+    all of its memory at once; the cache's pages are given back instead (patch 0007) and come back as tokens are
+    written. The values (V) are stored transposed, so the first token touches all of them; the keys, half, only as
+    they fill."""
+    path = synthetic_path(model_dir, "llama", 9, "Q8_0")
+    layout = read_layout(path)
+    settings = ContextSettings(n_ctx=4096, n_batch=64, n_ubatch=64)
+    kv = sum(layout.kv_bytes_per_token(il) for il in range(9)) * settings.n_ctx
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        created, prompted, cleared = pool.submit(_kv_growth, str(path), settings, list(range(10, 74))).result()
+    assert created < kv / 4, (created, kv)
+    assert prompted < created + kv * 3 / 4, (prompted, kv)  # the values, and 64 of the 4096 keys
+    assert prompted - cleared > kv / 4, (prompted, cleared, kv)  # a clear gives the cache back
