@@ -1,8 +1,9 @@
 """A GGUF model mapped for layer windows, and the windows that run on it.
 
-One `Model` per process maps the file once; any number of `Window`s share it. A window owns a llama.cpp
-context that computes only its layers and keeps only their KV cache. The first window takes tokens; later
-windows take the previous window's hidden state. A window that ends at the last layer returns logits, or
+One `Model` per process maps the file once; any number of `Window`s share it. A window computes only its layers
+on a llama.cpp context that keeps only their KV cache: its own (`Model.window`), or one shared by a device's
+windows, one per round of the ring, which run one at a time (`Model.shared_windows`). The first window takes
+tokens; later windows take the previous window's hidden state. A window that ends at the last layer returns logits, or
 its hidden state when the output layer runs elsewhere (then an output-only window [n_layer, n_layer)
 turns that hidden state into logits).
 """
@@ -476,12 +477,13 @@ class Window:
             if _native.llama_window_select(self._ctx, self._index) != 0:
                 raise EngineError(f"window {self.layers}: could not select it: {_log.take_errors() or 'see the log'}")
             ctx.selected = self._index
-        ctx.batch(self.takes_tokens).fill(rows, pos, want, seq_id)
+        batch = ctx.batch(self.takes_tokens)
+        batch.fill(rows, pos, want, seq_id)
         if ctx.progress is not None:
             ctx.progress.on_layer = self._on_layer
             ctx.progress.reset()
         with on_cpu(self.cpu):
-            code = _ll.llama_decode(self._ctx, ctx.batch(self.takes_tokens).raw)
+            code = _ll.llama_decode(self._ctx, batch.raw)
         if code != 0:
             raise EngineError(
                 f"window {self.layers}: llama_decode failed for {n} tokens at positions {pos[0]}..{pos[-1]}"
