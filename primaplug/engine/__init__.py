@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from primaplug.engine._bindings import bindings_only
 from primaplug.engine.layout import SUPPORTED_ARCHS, ModelLayout, TensorSpan, read_layout
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ _LAZY = {
 }
 
 __all__ = ["SUPPORTED_ARCHS", "ContextSettings", "Model", "ModelLayout", "TensorSpan", "Window", "WindowChain",
-           "one_per_context", "read_layout"]
+           "bindings_only", "one_per_context", "read_layout"]
 
 
 def __getattr__(name: str) -> Any:

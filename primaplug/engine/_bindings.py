@@ -1,0 +1,40 @@
+"""llama-cpp-python's ctypes bindings without its high-level API, for a process that needs only the bindings.
+
+`import llama_cpp` runs the package's `__init__`, which loads the high-level `Llama`, its chat formats and jinja2:
+5.1 MiB of anonymous memory against 1.0 MiB for the bindings alone (measured on the 2-core test machine). A node
+daemon never uses them, and on a small device that memory is pressure on the apps people use (4 MiB is 2.8% of
+the smallest emulated device in the memory testbed). `bindings_only()` registers the package without running its
+`__init__`, so that `from llama_cpp import llama_cpp` loads the bindings and nothing else.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import sys
+import types
+
+
+def bindings_only() -> bool:
+    """Make `llama_cpp`'s submodules importable without its `__init__`, in a process that has not imported it yet.
+
+    Call it first thing in a process that never uses `llama_cpp.Llama` (a node daemon). Returns False, changing
+    nothing, where llama_cpp is already imported or cannot be found (then the ordinary import applies).
+    """
+    if "llama_cpp" in sys.modules:
+        return False
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    package = types.ModuleType("llama_cpp", "llama-cpp-python's ctypes bindings only (primaplug.engine._bindings)")
+    package.__path__ = list(spec.submodule_search_locations)
+    package.__file__ = spec.origin
+    package.__spec__ = spec  # find_spec("llama_cpp") still answers (the profiler reads the library folder off it)
+    package.__loader__ = spec.loader
+    package.__package__ = "llama_cpp"
+    try:
+        package.__version__ = importlib.metadata.version("llama_cpp_python")  # type: ignore[attr-defined]
+    except importlib.metadata.PackageNotFoundError:
+        package.__version__ = "unknown"  # type: ignore[attr-defined]
+    sys.modules["llama_cpp"] = package
+    return True
