@@ -2,9 +2,10 @@
 
 `import llama_cpp` runs the package's `__init__`, which loads the high-level `Llama`, its chat formats and jinja2:
 5.1 MiB of anonymous memory against 1.0 MiB for the bindings alone (measured on the 2-core test machine). A node
-daemon never uses them, and on a small device that memory is pressure on the apps people use (4 MiB is 2.8% of
-the smallest emulated device in the memory testbed). `bindings_only()` registers the package without running its
-`__init__`, so that `from llama_cpp import llama_cpp` loads the bindings and nothing else.
+daemon never uses them, and on a small device that memory is taken from the apps people use (4 MiB is 2.8% of the
+smallest emulated device in the memory testbed; the node's reported memory pressure counts from after start-up,
+so it does not show there). `bindings_only()` registers the package without running its `__init__`, so that
+`from llama_cpp import llama_cpp` loads the bindings and nothing else.
 """
 
 from __future__ import annotations
