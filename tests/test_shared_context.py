@@ -93,6 +93,8 @@ def test_shared_context_errors_and_round_windows(model_dir, gemma_path) -> None:
             model.shared_windows([(0, 2), (3, 3)], settings=settings)
         with pytest.raises(WindowRangeError, match="one on_layer entry per window"):
             model.shared_windows([(0, 2), (3, 4)], settings=settings, on_layer=[None])
+        with pytest.raises(WindowRangeError, match="2 round"):
+            model.round_windows([LayerRange(0, 2), LayerRange(3, 4)], settings=settings, on_layer=[None])
         first, later = model.shared_windows([(0, 2), (3, 5)], settings=settings)
         hidden = np.zeros((4, model.layout.n_embd), dtype=np.float32)
         # a later window computes positions the first has placed, never before it
@@ -106,6 +108,8 @@ def test_shared_context_errors_and_round_windows(model_dir, gemma_path) -> None:
         assert later.kv_pos_max(0) == -1
     with Model(path, [(0, 2), (4, 6)], output=False) as model:
         assert model.can_share_context
+        with pytest.raises(WindowRangeError, match="was not loaded for"):
+            model.shared_windows([(0, 2), (2, 4)], settings=settings)
         # a device's windows, one per round (none in the second): one context for both
         windows = model.round_windows([LayerRange(0, 2), LayerRange(3, 3), LayerRange(4, 6)], settings=settings)
         assert windows[1] is None and len(one_per_context(windows)) == 1

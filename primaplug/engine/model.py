@@ -157,12 +157,7 @@ class Model:
                                    "it outputs hidden states")
         if start == end and (end != n_layer or hidden):
             raise WindowRangeError(f"an empty window must be the output-only window [{n_layer}, {n_layer})")
-        missing = sorted(set(range(start, end)) - self.layers)
-        if missing:
-            raise WindowRangeError(
-                f"window {rng} needs layers {missing[0]}..{missing[-1]}, which this Model was not loaded for "
-                f"(its windows: {', '.join(map(str, self.windows))})"
-            )
+        self._check_loaded(rng)
         if not hidden and not self.output:
             raise WindowRangeError(f"window {rng} outputs logits, but this Model was loaded with output=False")
         context = _Context(
@@ -170,6 +165,14 @@ class Model:
             lambda params: _native.llama_init_window_from_model(self._ptr, params, start, end, hidden),
             f"window {rng}")
         return Window(self, rng, hidden, context, on_layer=on_layer)
+
+    def _check_loaded(self, rng: LayerRange) -> None:
+        missing = sorted(set(range(rng.start, rng.end)) - self.layers)
+        if missing:
+            raise WindowRangeError(
+                f"window {rng} needs layers {missing[0]}..{missing[-1]}, which this Model was not loaded for "
+                f"(its windows: {', '.join(map(str, self.windows))})"
+            )
 
     @property
     def can_share_context(self) -> bool:
@@ -207,10 +210,7 @@ class Model:
         for r in ranges:
             if not r.n_layers:
                 raise WindowRangeError(f"window {r} is empty: a shared context runs layers")
-            missing = sorted(set(range(r.start, r.end)) - self.layers)
-            if missing:
-                raise WindowRangeError(f"window {r} needs layers {missing[0]}..{missing[-1]}, which this Model was not "
-                                       f"loaded for (its windows: {', '.join(map(str, self.windows))})")
+            self._check_loaded(r)
         bounds = (ctypes.c_int32 * (2 * len(ranges)))(*(x for r in ranges for x in (r.start, r.end)))
         context = _Context(
             self, settings or ContextSettings(), any(h is not None for h in hooks),
@@ -318,13 +318,14 @@ class _Batch:
     def __init__(self, n_batch: int, n_embd: int) -> None:
         self.raw = _ll.llama_batch_init(n_batch, n_embd, 1)
         self.n_batch = n_batch
+        self.tokens = n_embd == 0
         self.pos = np.ctypeslib.as_array(self.raw.pos, (n_batch,))
         self.want = np.ctypeslib.as_array(self.raw.logits, (n_batch,))
         self._seq = -1
 
     def fill(self, rows: np.ndarray, pos: np.ndarray, want: np.ndarray, seq_id: int) -> None:
         b, n = self.raw, len(rows)
-        ctypes.memmove(b.embd if rows.dtype == np.float32 else b.token, rows.ctypes.data, rows.nbytes)
+        ctypes.memmove(b.token if self.tokens else b.embd, rows.ctypes.data, rows.nbytes)
         self.pos[:n] = pos
         self.want[:n] = want
         if seq_id != self._seq:
