@@ -1,7 +1,8 @@
 """llama-cpp-python's ctypes bindings without its high-level API, for a process that needs only the bindings.
 
 `import llama_cpp` runs the package's `__init__`, which loads the high-level `Llama`, its chat formats and jinja2:
-5.1 MiB of anonymous memory against 1.0 MiB for the bindings alone (measured on the 2-core test machine). A node
+5.1 MiB of anonymous memory against 1.0 MiB for the bindings alone (a one-off probe on the 2-core test machine,
+a lead; tests/test_engine_bindings.py asserts 2 MiB less at least). A node
 daemon never uses them, and on a small device that memory is taken from the apps people use (4 MiB is 2.8% of the
 smallest emulated device in the memory testbed; the node's reported memory pressure counts from after start-up,
 so it does not show there). `bindings_only()` registers the package without running its `__init__`, so that
