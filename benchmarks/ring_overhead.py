@@ -13,7 +13,9 @@ thread per core of its half; only plain llama and the one-node ring run (three n
 Every variant decodes the same tokens (plain llama's greedy continuation) with the same thread count, in short
 blocks taking turns at the same positions; ratios are paired within a round (median over rounds). The hop cost is
 half the round trip of a message through a node that relays it (decode, validate, encode, send), for 1 and 512 rows
-of n_embd = 4096 float32.
+of n_embd = 4096 float32, back to back; and for 1 row sent every 5 ms, as in the ring, where the threads and cores
+go idle between messages, beside the same round trip over a plain TCP socket to an echoing process (what a hop
+costs without ZeroMQ's I/O threads and the node's Python).
 Writes benchmarks/results/ring_overhead.json (ring_overhead_separate_cores.json with --cores separate).
 Targets: one node within 5% of plain llama-cpp-python; a single-row hop under 0.5 ms.
 """
@@ -55,8 +57,9 @@ def block_time(llm, tokens: list[int]) -> float:
     return (time.perf_counter() - t0) / len(tokens)
 
 
-def hop_cost(address: str, model: Path, rows: int, repeats: int) -> float:
-    """Half the median round trip head -> relaying node -> head, for `rows` rows of 4096 float32."""
+def hop_cost(address: str, model: Path, rows: int, repeats: int, gap_s: float = 0.0) -> float:
+    """Half the median round trip head -> relaying node -> head, for `rows` rows of 4096 float32; with `gap_s`, a
+    message every gap_s seconds, as in a ring whose devices compute in between (threads and cores go idle)."""
     from primaplug.coordinator import NodeClient
     from primaplug.engine import read_layout
     from primaplug.transport import Transport
@@ -86,6 +89,7 @@ def hop_cost(address: str, model: Path, rows: int, repeats: int) -> float:
     for step in range(repeats):
         msg = Activation(proto=PROTOCOL_VERSION, epoch=1, step=step, round=0, seq_id=0, pos0=0, n_rows=rows,
                          width=4096, dtype="float32", all_rows=True)
+        time.sleep(gap_s)
         t0 = time.perf_counter()
         out.send(encode_ring(msg, data), 5.0)
         got, back = decode_ring(inbox.recv(5.0))
@@ -94,6 +98,51 @@ def hop_cost(address: str, model: Path, rows: int, repeats: int) -> float:
     client.unload()
     out.close(), inbox.close(), client.close()
     t.close()
+    return statistics.median(times) / 2
+
+
+TCP_ECHO = """
+import socket, sys
+srv = socket.create_server(("127.0.0.1", 0))
+print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept()
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+n = int(sys.argv[1])
+while True:
+    buf = b""
+    while len(buf) < n:
+        got = conn.recv(1 << 20)
+        if not got:
+            sys.exit()
+        buf += got
+    conn.sendall(buf)
+"""
+
+
+def tcp_hop_cost(n_bytes: int, repeats: int, gap_s: float) -> float:
+    """The same round trip over a plain TCP socket to an echoing process: what a hop costs without ZeroMQ's I/O
+    threads (a baseline for the hop, not a transport primaplug could use: the ring is ZeroMQ, encrypted off
+    loopback)."""
+    import socket
+    import subprocess
+
+    echo = subprocess.Popen([sys.executable, "-c", TCP_ECHO, str(n_bytes)], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(echo.stdout.readline())  # type: ignore[union-attr]
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            data, times = b"x" * n_bytes, []
+            for _ in range(repeats):
+                time.sleep(gap_s)
+                t0 = time.perf_counter()
+                conn.sendall(data)
+                got = 0
+                while got < n_bytes:
+                    got += len(conn.recv(1 << 20))
+                times.append(time.perf_counter() - t0)
+    finally:
+        echo.kill()
+        echo.wait()
     return statistics.median(times) / 2
 
 
@@ -165,6 +214,9 @@ def main() -> int:
             llm.close()
         hops = {f"{rows}_rows_ms": round(hop_cost(a[0], path, rows, 50 if rows == 1 else 10) * 1000, 3)
                 for rows in (1, 512)}
+        # a message every 5 ms, as in the one-node ring (a token takes about 11 ms), against plain TCP
+        hops["1_row_every_5ms_ms"] = round(hop_cost(a[0], path, 1, 100, gap_s=0.005) * 1000, 3)
+    hops["plain_tcp_1_row_every_5ms_ms"] = round(tcp_hop_cost(4096 * 4 + 92, 100, gap_s=0.005) * 1000, 3)
 
     med = {k: statistics.median(v) for k, v in times.items()}
     result = {
