@@ -3,12 +3,12 @@
 #   make test   run the test suite
 # Both set everything up first: a virtual environment in .venv, the patched engine (built once and cached,
 # see scripts/build_engine.py), and primaplug itself.
-#   GPU=cuda|metal  build the engine for a GPU backend (default cpu)
+#   GPU=cuda|metal  build the engine for a GPU backend (default: $PRIMAPLUG_GPU, else cpu)
 #   PYTHON=...      the Python (3.11+) that creates .venv
 
 PYTHON ?= python3
 VENV   ?= .venv
-GPU    ?= cpu
+GPU    ?= $(or $(PRIMAPLUG_GPU),cpu)
 PY     := $(VENV)/bin/python
 PROMPT ?= The three primary colors are
 STAMP  := $(VENV)/.primaplug-installed

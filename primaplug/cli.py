@@ -213,8 +213,9 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ring_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of a split run, shared by `run` and `serve`."""
+def _ring_flags(p: argparse.ArgumentParser, *, deploys: bool = True) -> None:
+    """The flags of a split run, shared by `run` and `serve`; `plan` (deploys=False) runs nothing, so it takes no
+    thread or GPU-layer counts."""
     p.add_argument("--nodes", type=_addresses, help="HOST:PORT of each `primaplug node`, in ring order")
     p.add_argument("--local-nodes", type=int, default=0, metavar="N",
                    help="start N nodes on this machine for this run, and stop them after")
@@ -233,10 +234,12 @@ def _ring_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=4096)
     p.add_argument("-b", "--batch-size", type=int, default=512)
     p.add_argument("-ub", "--ubatch-size", type=int, default=512)
-    p.add_argument("-t", "--threads", type=int, default=0,
-                   help="CPU threads of this process (default: all cores without nodes, half of them with)")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
-                   help="layers of each node window to run on that node's GPU (default 0)")
+    if deploys:
+        p.add_argument("-t", "--threads", type=int, default=0,
+                       help="CPU threads of this process (default: all cores without nodes, half of them with)")
+        p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
+                       help="layers of each node window to run on that node's GPU, with --layers or --scheduler "
+                            "even (default 0; the other schedulers choose GPU layers from each device's profile)")
     p.add_argument("--keys", help="cluster key file (primaplug keygen); needed for nodes off this machine")
     p.add_argument("--listen", default="127.0.0.1", help="address the head receives the ring's output on")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds a silent node may take (default 5)")
@@ -291,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="profile the devices and print the scheduler's plan, without deploying")
     plan.add_argument("-m", "--model", help="GGUF file (default: the bundled Gemma 3 270M)")
-    _ring_flags(plan)
+    _ring_flags(plan, deploys=False)
     plan.set_defaults(func=cmd_plan)
 
     node = sub.add_parser("node", help="run a node daemon that serves windows of a model to a ring")

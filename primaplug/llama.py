@@ -55,7 +55,8 @@ class Llama(RingLlama):
         timeout_s: how long a silent node may take before generation stops with an error naming it.
         node_threads: compute threads on each node (0: all its cores).
         node_gpu_layers: layers of each node window that run on the node's GPU, one number for every node or
-            one per node (the first layers of each window).
+            one per node (the first layers of each window); with a split by hand only (layers, or "even"): the
+            other schedulers choose GPU layers themselves.
         progress: called with (node, fraction, message) while the nodes load.
         memory_budget: bytes the head's own windows' weights may use (default: what this device has available,
             less KV cache, buffers, the output layer and 5%); windows that do not fit are streamed, as on a node.
@@ -85,6 +86,11 @@ class Llama(RingLlama):
     ) -> None:
         if scheduler not in (*SCHEDULERS, "even"):
             raise ConfigError(f"unknown scheduler {scheduler!r}: choose halda, memory, compute or even")
+        planned = layers is None and scheduler != "even"
+        gpu = tuple(node_gpu_layers) if isinstance(node_gpu_layers, Sequence) else (node_gpu_layers,) * len(nodes)
+        if planned and any(gpu):
+            raise ConfigError(f"node_gpu_layers (-ngl) is for a split by hand (layers / --layers, or scheduler "
+                              f"'even'): the {scheduler} scheduler picks each device's GPU layers from its profile")
         path = Path(model_path)
         layout = read_layout(path)
         layout.check_supported()
@@ -93,12 +99,9 @@ class Llama(RingLlama):
         n_ubatch = min(n_batch, kwargs.get("n_ubatch", 512))
         self._transport = Transport(load_keys(keys) if keys else None)
         ident = ModelIdentity.of(layout, path.name)
-        planned = layers is None and scheduler != "even"
         settings = ClusterSettings(nodes=tuple(nodes), layers=tuple(layers) if layers else None, rounds=rounds or 1,
                                    n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=node_threads,
-                                   listen=listen, timeout_s=timeout_s, route=route,
-                                   gpu_layers=tuple(node_gpu_layers) if isinstance(node_gpu_layers, Sequence)
-                                   else (node_gpu_layers,) * len(nodes))
+                                   listen=listen, timeout_s=timeout_s, route=route, gpu_layers=gpu)
         self._cluster: Cluster | None = None
         self._head_model: Model | None = None
         self._prefetcher: Prefetcher | None = None

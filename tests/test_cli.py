@@ -77,3 +77,11 @@ def test_an_unknown_scheduler_is_refused_before_anything_opens() -> None:
 
     with pytest.raises(ConfigError, match="unknown scheduler 'fastest'.*halda, memory, compute or even"):
         primaplug.Llama("no-such-model.gguf", nodes=["127.0.0.1:1"], scheduler="fastest")
+
+
+def test_gpu_layers_by_hand_are_refused_with_a_planned_scheduler() -> None:
+    import primaplug
+    from primaplug.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"-ngl\) is for a split by hand.*the halda scheduler picks"):
+        primaplug.Llama("no-such-model.gguf", nodes=["127.0.0.1:1"], node_gpu_layers=2)

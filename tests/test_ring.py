@@ -49,7 +49,7 @@ def _prompt(path: Path) -> list[int]:
     return [3 + (i * 7919) % (n_vocab - 3) for i in range(100)]  # longer than n_batch (64) and n_ubatch (32)
 
 
-CASES = [  # model, layers per round (node, node, node[, head]), rounds
+CASES = [  # model, layers per round (node, node, node[, head]) or None for an even split, rounds
     ("gemma", None, 1),
     ("gemma", (3, 3, 3), 2),
     ("gemma", (5, 7, 4, 2), 1),
@@ -72,9 +72,10 @@ def test_ring_matches_plain_llama(nodes, models, model: str, layers, rounds: int
         expected = greedy_scores(plain, prompt, STEPS)
     finally:
         plain.close()
-    ring = primaplug.Llama(path, nodes=nodes.addresses, layers=layers, rounds=rounds, node_threads=2,
-                           **LLAMA_KWARGS)
+    split = dict(layers=layers) if layers else dict(scheduler="even")  # Halda would keep the model on the head
+    ring = primaplug.Llama(path, nodes=nodes.addresses, rounds=rounds, node_threads=2, **split, **LLAMA_KWARGS)
     try:
+        assert [n.name for n in ring.cluster.nodes] == nodes.names  # every node is in the ring
         got = greedy_scores(ring, prompt, STEPS)
         assert_same(got, expected)
         # the same ring, reused: the KV caches on the nodes were cleared by reset() + eval
