@@ -116,7 +116,7 @@ def thread_major_faults(tid: int | None = None) -> int:
     0 where the OS does not count faults per thread (macOS, or no /proc).
 
     The calling thread's count is one system call; another's means reading /proc, which cost 75 us a call in a
-    node computing Gemma 270M (the prefetcher reads it only while its thread is busy, Prefetcher._own_faults)."""
+    node computing Gemma 270M (the prefetcher reads it only while its thread is busy: Prefetcher._compute_faults)."""
     if tid is None:
         who = getattr(resource, "RUSAGE_THREAD", None)  # Linux and Android
         return resource.getrusage(who).ru_majflt if who is not None else 0
