@@ -88,6 +88,9 @@ class Llama(RingLlama):
             raise ConfigError(f"unknown scheduler {scheduler!r}: choose halda, memory, compute or even")
         planned = layers is None and scheduler != "even"
         gpu = tuple(node_gpu_layers) if isinstance(node_gpu_layers, Sequence) else (node_gpu_layers,) * len(nodes)
+        if len(gpu) != len(nodes) or min(gpu, default=0) < 0:
+            raise ConfigError(f"node_gpu_layers needs one count (0 or more) per node ({len(nodes)}), or one for "
+                              f"every node; got {list(gpu)}")
         if planned and any(gpu):
             raise ConfigError(f"node_gpu_layers (-ngl) is for a split by hand (layers / --layers, or scheduler "
                               f"'even'): the {scheduler} scheduler picks each device's GPU layers from its profile")

@@ -79,9 +79,11 @@ def test_an_unknown_scheduler_is_refused_before_anything_opens() -> None:
         primaplug.Llama("no-such-model.gguf", nodes=["127.0.0.1:1"], scheduler="fastest")
 
 
-def test_gpu_layers_by_hand_are_refused_with_a_planned_scheduler() -> None:
+def test_gpu_layers_are_refused_with_a_planned_scheduler_or_a_wrong_count() -> None:
     import primaplug
     from primaplug.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"-ngl\) is for a split by hand.*the halda scheduler picks"):
         primaplug.Llama("no-such-model.gguf", nodes=["127.0.0.1:1"], node_gpu_layers=2)
+    with pytest.raises(ConfigError, match=r"one count \(0 or more\) per node \(2\).*got \[1\]"):
+        primaplug.Llama("no-such-model.gguf", nodes=["127.0.0.1:1", "127.0.0.1:2"], layers=[9, 9], node_gpu_layers=[1])
