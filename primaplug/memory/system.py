@@ -115,8 +115,9 @@ def thread_major_faults(tid: int | None = None) -> int:
     """Major page faults of one thread of this process so far: the calling thread (None), or another by native id.
     0 where the OS does not count faults per thread (macOS, or no /proc).
 
-    The calling thread's count is one system call; another's means reading /proc, which cost 75 us a call in a
-    node computing Gemma 270M (the prefetcher reads it only while its thread is busy: Prefetcher._compute_faults)."""
+    The calling thread's count is one system call; another's means reading /proc, which took 75 us a call in a
+    node computing Gemma 270M (a lead from a throwaway probe, docs/ring.md), so the prefetcher reads it only while
+    its thread is busy (Prefetcher._compute_faults)."""
     if tid is None:
         who = getattr(resource, "RUSAGE_THREAD", None)  # Linux and Android
         return resource.getrusage(who).ru_majflt if who is not None else 0
