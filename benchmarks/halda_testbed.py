@@ -42,7 +42,7 @@ RUNS = (("halda", "halda", "ring"), ("memory", "memory", "ring"), ("compute", "c
 def run(scheduler: str, latency_model: str, head: Device, nodes: list[Device], model: Path, work: Path, *,
         slow_disk_bps: float, tokens: int, prompt: int, threads: int) -> dict[str, Any]:
     import primaplug
-    from primaplug.planning import PlanSettings
+    from primaplug.head.planning import PlanSettings
 
     with Testbed(nodes, model, work, head=head) as tb:
         llm = primaplug.Llama(tb.head_model, nodes=tb.addresses, route=tb.route, scheduler=scheduler,

@@ -60,9 +60,9 @@ def block_time(llm, tokens: list[int]) -> float:
 def hop_cost(address: str, model: Path, rows: int, repeats: int, gap_s: float = 0.0) -> float:
     """Half the median round trip head -> relaying node -> head, for `rows` rows of 4096 float32; with `gap_s`, a
     message every gap_s seconds, as in a ring whose devices compute in between (threads and cores go idle)."""
-    from primaplug.coordinator import NodeClient
     from primaplug.engine import read_layout
-    from primaplug.transport import Transport
+    from primaplug.head import NodeClient
+    from primaplug.transport import ZmqTransport
     from primaplug.wire import (
         PROTOCOL_VERSION,
         Activation,
@@ -74,7 +74,7 @@ def hop_cost(address: str, model: Path, rows: int, repeats: int, gap_s: float = 
     )
 
     layout = read_layout(model)
-    t = Transport()
+    t = ZmqTransport()
     client = NodeClient(t, address)
     client.hello()
     inbox = t.ring_in("127.0.0.1", 0)
@@ -170,7 +170,7 @@ def main() -> int:
 
     import primaplug
     from primaplug.engine import read_layout
-    from primaplug.launch import LocalNodes
+    from primaplug.head.launch import LocalNodes
 
     path = Path(args.model) if args.model else default_model()
     n_layer = read_layout(path).n_layer

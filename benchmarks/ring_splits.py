@@ -36,6 +36,7 @@ def main() -> int:
     a = ap.parse_args()
 
     import primaplug
+    from primaplug.head.events import Events, NodeProgress
 
     unwind_on_sigterm()
     logging.getLogger("primaplug.llama").setLevel(logging.ERROR)
@@ -44,11 +45,13 @@ def main() -> int:
     for spec in a.splits:
         sizes, _, k = spec.partition("@")
         layers = [int(x) for x in sizes.split(",")]
+        events = Events()  # each node's memory plan, as it loads
+        events.subscribe(lambda e: isinstance(e, NodeProgress) and "MiB" in e.message
+                         and print(f"  {e.node}: {e.message}"))
         with Testbed(devices[1:], model, CACHE / "testbed", head=devices[0]) as tb:
             llm = primaplug.Llama(tb.head_model, nodes=tb.addresses, route=tb.route, layers=layers, rounds=int(k or 1),
                                   n_ctx=512, n_batch=64, n_ubatch=16, n_threads=2, node_threads=2, timeout_s=180,
-                                  logits_all=True, verbose=False,
-                                  progress=lambda node, _, what: "MiB" in what and print(f"  {node}: {what}"))
+                                  logits_all=True, verbose=False, events=events)
             try:
                 timed = time_greedy(llm, a.prompt, a.tokens)
                 faults = [round(n.status(detail=True).major_faults_per_token) for n in llm.cluster.nodes]

@@ -6,7 +6,7 @@
 Each cluster mixes GPU desktops, CPU laptops, Macs (Metal), Android phones and small boards with slow storage,
 with profiles drawn around realistic figures; the head is a GPU desktop. The model has 80 layers of 0.5 GB
 (Q4_K-like, KV cache for 4096 tokens). The time is that of `solve(devices, model, latency_model=...)`, device
-selection included, for both latency models (the ring's, which the coordinator uses, and the paper's Eq. 11
+selection included, for both latency models (the ring's, which the head uses, and the paper's Eq. 11
 solved by HiGHS), after one warm-up solve each (the first loads HiGHS); per size, the median over clusters of each
 cluster's best of `--repeats` runs. Writes benchmarks/results/scheduling_time.json and .png (matplotlib).
 Targets (paper: 10-12 ms on 4-32 devices): median <= 10 ms at 8 devices and <= 50 ms at 32.

@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     if name == "Llama":
-        from primaplug.llama import Llama
+        from primaplug.head.llama import Llama
 
         return Llama
     raise AttributeError(f"module 'primaplug' has no attribute {name!r}")

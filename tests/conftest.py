@@ -26,6 +26,19 @@ class TestModel:
     prompt: tuple[int, ...]  # longer than the tests' n_ubatch (32) and n_batch (64)
 
 
+# fixtures that hand a test a model, and so the engine: such a test is of the engine rung, unless it is multiproc
+_MODEL_FIXTURES = {"gemma_path", "model_dir", "test_model", "streaming_model"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Put every test on one rung: multiproc (marked by hand), engine, or unit (`pytest -m unit` runs in seconds)."""
+    for item in items:
+        if item.get_closest_marker("multiproc") or item.get_closest_marker("engine"):
+            continue
+        uses = set(getattr(item, "fixturenames", ()))
+        item.add_marker(pytest.mark.engine if uses & _MODEL_FIXTURES else pytest.mark.unit)
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("models")

@@ -1,4 +1,5 @@
-"""`primaplug run` generates through windows and checks itself against plain llama-cpp-python."""
+"""The `primaplug` command: `run` generates through primaplug.Llama (the head alone, or a ring of local nodes, the
+README's main command) and checks itself against plain llama-cpp-python; the other commands' errors and help."""
 
 from __future__ import annotations
 
@@ -6,10 +7,8 @@ import re
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-from primaplug.decoding import Sampler, SamplingParams
 from tests.conftest import synthetic_path
 
 
@@ -33,14 +32,7 @@ def test_run_reports_bad_split(model_dir) -> None:
     assert out.returncode == 2
     assert "cover 4 layers, the model has 9" in out.stderr
     out = run_cli("run", "-m", str(path), "--rounds", "2", "-n", "2")
-    assert out.returncode == 2 and "--rounds must divide" in out.stderr
-
-
-def test_sampler_greedy_and_seeded() -> None:
-    logits = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
-    assert Sampler(SamplingParams(temperature=0))(logits) == int(np.argmax(logits))
-    draws = [Sampler(SamplingParams(temperature=1.0, top_k=5, seed=7))(logits) for _ in range(3)]
-    assert len(set(draws)) == 1 and draws[0] in np.argsort(logits)[-5:]
+    assert out.returncode == 2 and "rounds must divide the model's 9 layers, got 2" in out.stderr
 
 
 def test_verify_without_a_seed_replays_the_drawn_seed(model_dir) -> None:
@@ -55,9 +47,58 @@ def test_verify_without_a_seed_replays_the_drawn_seed(model_dir) -> None:
 
 
 def test_plan_refuses_a_split_by_hand() -> None:
-    for extra in (["--scheduler", "even"], ["--layers", "3,3"]):
-        out = run_cli("plan", "--local-nodes", "2", *extra)
-        assert out.returncode == 2 and "nothing to plan" in out.stderr, out.stderr
+    out = run_cli("plan", "--local-nodes", "2", "--scheduler", "even")
+    assert out.returncode == 2 and "nothing to plan" in out.stderr, out.stderr
+    out = run_cli("plan", "--local-nodes", "2", "--layers", "3,3")
+    assert out.returncode == 2 and "unrecognized arguments: --layers" in out.stderr, out.stderr
+
+
+@pytest.mark.multiproc
+def test_the_readme_main_command_runs_a_ring_of_local_nodes() -> None:
+    """`make run`'s command, shorter: three local node processes, an even split, checked against plain llama."""
+    out = run_cli("run", "--local-nodes", "3", "--scheduler", "even", "-n", "12", "--temp", "0", "--verify")
+    assert out.returncode == 0, out.stderr
+    assert "ring of 3 node(s) + head, 1 round(s)" in out.stderr
+    assert "node1 [0, 6); node2 [6, 12); node3 [12, 18); head the output layer only" in out.stderr
+    assert "gave the same 12 tokens" in out.stderr and "stopped the 3 local nodes" in out.stderr
+
+
+@pytest.mark.multiproc
+def test_a_prompt_longer_than_the_batch_runs_through_the_ring() -> None:
+    """The command that crashed the ring ("inconsistent sequence positions" on the output window): a prompt of 24
+    tokens in batches of 16, so the ring returns the last row of each batch at positions 15 and 23."""
+    out = run_cli("run", "--local-nodes", "2", "--scheduler", "even", "-n", "8", "--temp", "0", "-b", "16",
+                  "--verify", "-p", "the quick brown fox jumps over the lazy dog while seven wizards hex a pale "
+                  "jumbo sphinx of black quartz judges my vow")
+    assert out.returncode == 0, out.stderr
+    assert "gave the same 8 tokens" in out.stderr and "llama_" not in out.stderr, out.stderr
+
+
+def test_a_prompt_longer_than_the_context_gets_llama_cpp_pythons_error() -> None:
+    out = run_cli("run", "-c", "8", "-p", "one two three four five six seven eight nine ten", "-n", "4")
+    assert out.returncode == 2, out.stderr
+    assert "error: Requested tokens (11) exceed context window of 8" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "llama_" not in out.stderr
+
+
+def test_verify_says_where_the_tokens_first_differ(gemma_path) -> None:
+    from primaplug.cli.run import generated, verify
+    from primaplug.engine.reference import plain_llama
+
+    kwargs = dict(n_ctx=128, verbose=False, seed=1)
+    sampling = dict(temp=0.0, top_k=40, top_p=0.95)
+    with plain_llama(gemma_path, **kwargs) as llm:
+        tokens = list(generated(llm, llm.tokenize(b"The sky is"), 6, sampling))
+    assert verify(gemma_path, "The sky is", tokens, kwargs, sampling, 6) == 0
+    changed = [*tokens[:3], tokens[3] + 1, *tokens[4:]]
+    assert verify(gemma_path, "The sky is", changed, kwargs, sampling, 6) == 1
+
+
+def test_node_help_documents_port_zero_and_relays() -> None:
+    out = run_cli("node", "--help")
+    assert out.returncode == 0
+    text = " ".join(out.stdout.split())
+    assert "port 0: any free ports" in text and "window of 0 layers" in text and "relays" in text
 
 
 def test_synth_refuses_to_overwrite_and_bad_sizes(tmp_path) -> None:

@@ -30,9 +30,9 @@ def test_key_files_that_are_missing_or_wrong_are_named(tmp_path: Path) -> None:
 
 
 def test_a_busy_port_is_named() -> None:
-    from primaplug.transport import Transport
+    from primaplug.transport import ZmqTransport
 
-    t = Transport()
+    t = ZmqTransport()
     try:
         server = t.control_server("127.0.0.1", 0)
         port = int(server.address.rsplit(":", 1)[1])
@@ -46,15 +46,15 @@ def test_a_busy_port_is_named() -> None:
 @pytest.mark.parametrize(("layers", "rounds", "match"), [
     ((6, 6), 1, "one window size per node"),
     ((6, 6, 5), 1, "cover 17 layers, the model has 18"),
-    (None, 4, "4 rounds do not divide the model's 18 layers"),
+    (None, 4, "the rounds must divide the model's 18 layers, got 4"),
 ])
 def test_a_split_that_does_not_fit_the_model_is_refused(layers, rounds: int, match: str) -> None:
-    from primaplug.coordinator import Cluster, ClusterSettings
     from primaplug.core import PrimaplugError
-    from primaplug.transport import Transport
+    from primaplug.head import Cluster, ClusterSettings
+    from primaplug.transport import ZmqTransport
     from primaplug.wire import ModelIdentity
 
-    t = Transport()
+    t = ZmqTransport()
     ident = ModelIdentity(identity="1:x", file_name="m.gguf", n_layer=18, n_embd=640)
     cluster = Cluster(t, ClusterSettings(nodes=("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"), layers=layers,
                                          rounds=rounds), ident)
@@ -67,14 +67,14 @@ def test_a_split_that_does_not_fit_the_model_is_refused(layers, rounds: int, mat
 
 
 def test_nodes_off_this_machine_need_keys_and_a_reachable_head(tmp_path: Path) -> None:
-    from primaplug.coordinator import Cluster, ClusterSettings
-    from primaplug.transport import Transport, generate_keys
+    from primaplug.head import Cluster, ClusterSettings
+    from primaplug.transport import ZmqTransport, generate_keys
     from primaplug.wire import ModelIdentity
 
     ident = ModelIdentity(identity="1:x", file_name="m.gguf", n_layer=18, n_embd=640)
     remote = ClusterSettings(nodes=("192.0.2.7:7000",))
     for keys, match in ((None, "need the cluster key"), (generate_keys(tmp_path / "c.key"), "pass --listen")):
-        t = Transport(keys)
+        t = ZmqTransport(keys)
         try:
             with pytest.raises(ConfigError, match=match):
                 Cluster(t, remote, ident)

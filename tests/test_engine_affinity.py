@@ -89,7 +89,7 @@ def _single_core_threads(pid: int) -> int:
 def test_node_cpu_strict_flag(gemma_path: Path, tmp_path: Path) -> None:
     """`primaplug node --cpu-strict 1` pins its compute threads, `--cpu-strict 0` never does; tokens are the same."""
     import primaplug
-    from primaplug.launch import LocalNodes
+    from primaplug.head.launch import LocalNodes
 
     with LocalNodes(gemma_path, 2, log_dir=tmp_path, node_args=[["--cpu-strict", "1"], ["--cpu-strict", "0"]]) \
             as local:

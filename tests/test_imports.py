@@ -11,21 +11,24 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "primaplug"
 
-# package -> primaplug packages it may import
+# package -> primaplug packages it may import; every module of primaplug is in one of these (or is one of TOP)
 ALLOWED = {
     "core": set(),
     "wire": {"core"},
     "transport": {"core"},
     "engine": {"core"},
     "memory": {"core"},
-    "decoding": {"core"},
     "scheduler": {"core"},
     "profiler": {"core", "engine", "memory"},
-    "node": {"core", "wire", "transport", "engine", "memory", "profiler"},
-    "coordinator": {"core", "wire", "transport", "scheduler"},
+    "device": {"core", "engine", "memory", "profiler"},
+    "node": {"core", "wire", "transport", "engine", "memory", "profiler", "device"},
+    "head": {"core", "wire", "transport", "engine", "memory", "profiler", "scheduler", "device"},
     "server": {"core"},
+    "cli": {"core", "wire", "transport", "engine", "memory", "profiler", "scheduler", "device", "node", "head",
+            "server"},
 }
-# outside libraries only one package may import (the composition modules at the top level excepted)
+TOP = {"__init__.py": {"head"}, "__main__.py": {"cli"}}  # the package's own top-level modules (Llama, main)
+# outside libraries only one package may import
 OWNER = {"zmq": {"transport"}, "llama_cpp": {"engine", "server"}, "highspy": {"scheduler"}}
 
 
@@ -39,22 +42,43 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
+def _check(path: Path, package: str, allowed: set[str]) -> None:
+    for name in _imports(path):
+        top, _, rest = name.partition(".")
+        if top == "primaplug" and rest:
+            dep = rest.split(".")[0]
+            if dep not in (package, "__init__", "__version__"):
+                assert dep in allowed, f"{path.relative_to(ROOT)} imports {name}"
+        for lib, owners in OWNER.items():
+            if top == lib:
+                assert package in owners, f"{path.relative_to(ROOT)} imports {lib}, which only {owners} may"
+
+
 @pytest.mark.parametrize("package", sorted(ALLOWED))
 def test_dependencies_point_inward(package: str) -> None:
     for path in (ROOT / package).rglob("*.py"):
-        for name in _imports(path):
-            top, _, rest = name.partition(".")
-            if top == "primaplug" and rest:
-                dep = rest.split(".")[0]
-                if dep != package and dep != "__init__":
-                    assert dep in ALLOWED[package] or dep == "__version__", f"{path.name} imports {name}"
-            for lib, owners in OWNER.items():
-                if top == lib:
-                    assert package in owners, f"{path.relative_to(ROOT)} imports {lib}, which only {owners} may"
+        _check(path, package, ALLOWED[package])
+
+
+def test_every_module_is_covered() -> None:
+    """No module escapes the rules: each lies in a listed package or is one of the listed top-level ones."""
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if len(rel.parts) == 1:
+            assert rel.name in TOP, f"top-level module {rel} is in no package: move it into one (ARCHITECTURE.md)"
+            _check(path, "", TOP[rel.name])
+        else:
+            assert rel.parts[0] in ALLOWED, f"package {rel.parts[0]} has no import rule in this test"
+
+
+def test_the_head_never_imports_the_node() -> None:
+    assert "node" not in ALLOWED["head"] and "head" not in ALLOWED["node"]
+    for path in (ROOT / "head").rglob("*.py"):
+        assert not any(n.startswith("primaplug.node") for n in _imports(path)), path
 
 
 def test_importing_a_node_loads_no_ui_or_solver() -> None:
-    code = ("import sys, primaplug.node, primaplug.coordinator; "
+    code = ("import sys, primaplug.node, primaplug.head; "
             "bad = {'textual', 'fastapi', 'highspy', 'uvicorn'} & set(sys.modules); assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 

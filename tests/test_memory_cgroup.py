@@ -35,8 +35,8 @@ def _run(model: Path, work: Path, flags: list[str]) -> tuple[list[int], list, li
     from benchmarks.testbed.devices import Device
     from primaplug.core import LayerRange
     from primaplug.core.budget import MARGIN
+    from primaplug.device import reserved_bytes
     from primaplug.engine import read_layout
-    from primaplug.node.deployment import reserved_bytes
 
     layout = read_layout(model)
     window = sum(n for _, n in layout.window_ranges(LayerRange(0, 4)))

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.multiproc
 
 @pytest.fixture(scope="module")
 def nodes(gemma_path: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    from primaplug.launch import LocalNodes
+    from primaplug.head.launch import LocalNodes
 
     with LocalNodes(gemma_path, 3, log_dir=tmp_path_factory.mktemp("plan-nodes")) as local:
         yield local
@@ -58,14 +58,33 @@ def test_a_planned_ring_gives_plain_llamas_tokens(scheduler: str, nodes, gemma_p
         llm.close()
 
 
+def test_halda_keeps_nodes_when_the_head_is_short_of_memory(nodes, gemma_path: Path, plain) -> None:  # noqa: ANN001
+    """A head that lends the model 160 MiB (Gemma's output layer alone is 170 MiB) cannot hold the layers as well:
+    Halda puts them on the nodes, and the ring it deploys gives plain llama's tokens."""
+    import primaplug
+
+    llm = primaplug.Llama(gemma_path, nodes=nodes.addresses, node_threads=1, memory_budget=160 << 20,
+                          **LLAMA_KWARGS)
+    try:
+        plan = llm.plan
+        assert plan is not None and plan.scheduler == "halda"
+        kept = [d for d in plan.devices if d.name != plan.head.name]
+        assert kept, plan.describe()
+        assert plan.head.w == 0 and sum(d.w for d in kept) * plan.k == 18, plan.describe()
+        assert [n.name for n in llm.cluster.nodes] == [d.name for d in plan.ring[:-1]]
+        assert_same(greedy_scores(llm, list(range(5, 75)), 12), plain)
+    finally:
+        llm.close()
+
+
 def test_links_are_measured_over_the_ring(nodes, gemma_path: Path) -> None:  # noqa: ANN001
-    from primaplug.coordinator import Cluster, ClusterSettings
     from primaplug.engine import read_layout
-    from primaplug.transport import Transport
+    from primaplug.head import Cluster, ClusterSettings
+    from primaplug.transport import ZmqTransport
     from primaplug.wire import ModelIdentity
 
     layout = read_layout(gemma_path)
-    t = Transport()
+    t = ZmqTransport()
     ident = ModelIdentity.of(layout, gemma_path.name)
     cluster = Cluster(t, ClusterSettings(nodes=tuple(nodes.addresses)), ident)
     try:
@@ -80,12 +99,12 @@ def test_links_are_measured_over_the_ring(nodes, gemma_path: Path) -> None:  # n
 
 
 def test_profile_requests_are_checked(nodes, gemma_path: Path) -> None:  # noqa: ANN001
-    from primaplug.coordinator import NodeClient
     from primaplug.core.errors import NodeError
     from primaplug.engine import read_layout
-    from primaplug.transport import Transport
+    from primaplug.head import NodeClient
+    from primaplug.transport import ZmqTransport
 
-    t = Transport()
+    t = ZmqTransport()
     client = NodeClient(t, nodes.addresses[0])
     try:
         client.hello()
@@ -101,14 +120,14 @@ def test_profile_requests_are_checked(nodes, gemma_path: Path) -> None:  # noqa:
 def test_a_node_with_windows_loaded_refuses_to_profile(nodes, gemma_path: Path) -> None:  # noqa: ANN001
     """Its own windows would skew the free memory it reports: the head unloads nodes before profiling."""
     import primaplug
-    from primaplug.coordinator import NodeClient
     from primaplug.core.errors import NodeError
     from primaplug.engine import read_layout
-    from primaplug.transport import Transport
+    from primaplug.head import NodeClient
+    from primaplug.transport import ZmqTransport
 
     llm = primaplug.Llama(gemma_path, nodes=nodes.addresses[:1], scheduler="even", node_threads=1, **LLAMA_KWARGS)
     llm.close()  # the node keeps its windows, ready for the next head
-    t = Transport()
+    t = ZmqTransport()
     client = NodeClient(t, nodes.addresses[0])
     try:
         client.hello()
@@ -131,13 +150,13 @@ def test_plan_command_prints_the_plan_without_deploying(gemma_path: Path) -> Non
 
 
 def _cluster(addresses, gemma_path: Path, timeout_s: float = 2.0):  # noqa: ANN001, ANN202
-    from primaplug.coordinator import Cluster, ClusterSettings
     from primaplug.engine import read_layout
-    from primaplug.transport import Transport
+    from primaplug.head import Cluster, ClusterSettings
+    from primaplug.transport import ZmqTransport
     from primaplug.wire import ModelIdentity
 
     layout = read_layout(gemma_path)
-    t = Transport()
+    t = ZmqTransport()
     ident = ModelIdentity.of(layout, gemma_path.name)
     return t, Cluster(t, ClusterSettings(nodes=tuple(addresses), timeout_s=timeout_s), ident)
 
@@ -148,7 +167,7 @@ def test_a_node_dying_while_links_are_probed_is_named(gemma_path: Path, tmp_path
     import time
 
     from primaplug.core.errors import NodeUnavailableError
-    from primaplug.launch import LocalNodes
+    from primaplug.head.launch import LocalNodes
 
     with LocalNodes(gemma_path, 3, log_dir=tmp_path) as local:
         t, cluster = _cluster(local.addresses, gemma_path)
@@ -178,7 +197,8 @@ def test_a_node_dying_while_it_profiles_is_named(gemma_path: Path, tmp_path: Pat
     import threading
 
     from primaplug.core.errors import NodeUnavailableError
-    from primaplug.launch import LocalNodes
+    from primaplug.head.events import NodeProgress
+    from primaplug.head.launch import LocalNodes
 
     # a profile directory of its own: the node measures afresh, which takes seconds
     with LocalNodes(gemma_path, 1, log_dir=tmp_path, extra_args=["--profile-dir", str(tmp_path / "p")]) as local:
@@ -187,13 +207,15 @@ def test_a_node_dying_while_it_profiles_is_named(gemma_path: Path, tmp_path: Pat
             cluster.connect()
             said: list[str] = []
 
-            def progress(node: str, frac: float, what: str) -> None:
-                said.append(what)
-                if len(said) == 1:  # the node has started measuring
-                    threading.Timer(0.5, os.kill, (local.nodes[0].proc.pid, signal.SIGKILL)).start()
+            def progress(event: object) -> None:
+                if isinstance(event, NodeProgress) and event.state == "profiling":
+                    said.append(event.message)
+                    if len(said) == 1:  # the node has started measuring
+                        threading.Timer(0.5, os.kill, (local.nodes[0].proc.pid, signal.SIGKILL)).start()
 
+            cluster.events.subscribe(progress)
             with pytest.raises(NodeUnavailableError, match="node1.*GetProfile"):
-                cluster.profiles(progress)
+                cluster.profiles()
             assert said and "measuring" in said[0]
         finally:
             cluster.close()

@@ -17,7 +17,7 @@ MiB = 1 << 20
 
 def _run(model: Path, log_dir: Path, node_args: list[str]) -> tuple[list[int], list]:
     import primaplug
-    from primaplug.launch import LocalNodes
+    from primaplug.head.launch import LocalNodes
 
     with LocalNodes(model, 2, log_dir=log_dir, extra_args=node_args) as local:
         llm = primaplug.Llama(model, nodes=local.addresses, scheduler="even", node_threads=1, **LLAMA_KWARGS)
@@ -64,7 +64,7 @@ def test_a_head_whose_windows_do_not_fit_streams_them(streaming_model: Path, tmp
     import primaplug
     from primaplug.core import LayerRange
     from primaplug.engine import ContextSettings, Model, WindowChain
-    from primaplug.launch import LocalNodes
+    from primaplug.head.launch import LocalNodes
 
     prompt = [3 + 5 * i for i in range(40)]
     windows = [LayerRange(0, 4), LayerRange(4, 8)]
@@ -83,7 +83,7 @@ def test_a_head_whose_windows_do_not_fit_streams_them(streaming_model: Path, tmp
                               node_threads=1, **LLAMA_KWARGS)
         try:
             tokens, _ = greedy_scores(llm, prompt, 12)
-            p = llm._prefetcher
+            p = llm.session.ring.local.prefetcher  # the head's windows, on the device layer as a node's
             assert p is not None and p.plan.mode == "stream"
             assert p.stats.bytes_prefetched > 0 and p.stats.bytes_released > 0
             assert p.wait_idle(10), "the prefetcher did not finish"
@@ -99,7 +99,7 @@ def _released_per_token(model: Path, log_dir: Path, node_args: list[str]) -> tup
     import numpy as np
 
     import primaplug
-    from primaplug.launch import LocalNodes
+    from primaplug.head.launch import LocalNodes
 
     with LocalNodes(model, 2, log_dir=log_dir, extra_args=node_args) as local:
         llm = primaplug.Llama(model, nodes=local.addresses, scheduler="even", node_threads=1, **LLAMA_KWARGS)

@@ -493,7 +493,7 @@ def test_node_reserve_and_scheduler_count_the_same_compute_buffers(model_dir, k:
     every further window (windows give their buffers back after a prompt); Halda's RAM need must count the same,
     or it plans windows the node cannot hold."""
     from primaplug.core.windows import LayerRange
-    from primaplug.node.deployment import reserved_bytes
+    from primaplug.device import reserved_bytes
     from primaplug.scheduler.latency import platform
 
     layout = read_layout(synthetic_path(model_dir, "llama", 9, "Q8_0"))

@@ -27,7 +27,7 @@ def models(model_dir: Path, gemma_path: Path) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def nodes(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
     """Three node processes holding every test model; each test deploys its own assignment to them."""
-    from primaplug.launch import LocalNodes
+    from primaplug.head.launch import LocalNodes
 
     extra = [a for p in list(models.values())[1:] for a in ("--model", str(p))]
     with LocalNodes(models["gemma"], 3, log_dir=tmp_path_factory.mktemp("node-logs"), extra_args=extra) as local:

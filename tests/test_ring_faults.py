@@ -22,7 +22,7 @@ pytestmark = pytest.mark.multiproc
 
 @pytest.fixture(scope="module")
 def gemma_nodes(gemma_path: Path, tmp_path_factory: pytest.TempPathFactory):
-    from primaplug.launch import LocalNodes
+    from primaplug.head.launch import LocalNodes
 
     with LocalNodes(gemma_path, 3, log_dir=tmp_path_factory.mktemp("fault-logs")) as local:
         yield local
@@ -33,13 +33,13 @@ def gemma_nodes(gemma_path: Path, tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture
 def one_node_ring(gemma_nodes, gemma_path: Path):
     """node1 assigned layers [0, 6) of Gemma, its successor a socket of this test."""
-    from primaplug.coordinator import NodeClient
     from primaplug.engine import read_layout
-    from primaplug.transport import Transport
+    from primaplug.head import NodeClient
+    from primaplug.transport import ZmqTransport
     from primaplug.wire import Assignment, ModelIdentity, WindowSpec
 
     layout = read_layout(gemma_path)
-    t = Transport()
+    t = ZmqTransport()
     client = NodeClient(t, gemma_nodes.addresses[0])
     client.hello()
     inbox = t.ring_in("127.0.0.1", 0)
@@ -175,10 +175,10 @@ def test_killed_node_is_named_and_the_others_go_on(gemma_nodes, gemma_path: Path
 
 def test_curve_rejects_peers_without_the_cluster_key(gemma_path: Path, tmp_path: Path) -> None:
     import primaplug
-    from primaplug.coordinator import NodeClient
     from primaplug.core import NodeUnavailableError
-    from primaplug.launch import LocalNodes
-    from primaplug.transport import Transport, generate_keys
+    from primaplug.head import NodeClient
+    from primaplug.head.launch import LocalNodes
+    from primaplug.transport import ZmqTransport, generate_keys
 
     key, stranger_key = tmp_path / "cluster.key", tmp_path / "stranger.key"
     generate_keys(key)
@@ -187,7 +187,7 @@ def test_curve_rejects_peers_without_the_cluster_key(gemma_path: Path, tmp_path:
 
     with LocalNodes(gemma_path, 2, log_dir=tmp_path / "logs", extra_args=["--keys", str(key)]) as local:
         for keys in (load_keys(stranger_key), None):  # a wrong key, and no encryption at all
-            t = Transport(keys)
+            t = ZmqTransport(keys)
             client = NodeClient(t, local.addresses[0], timeout_s=1.5)
             with pytest.raises(NodeUnavailableError, match="did not answer"):
                 client.hello()

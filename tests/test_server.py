@@ -34,7 +34,7 @@ def test_openai_server_streams_the_same_chat_completion(gemma_path: Path, tmp_pa
     from fastapi.testclient import TestClient
 
     import primaplug
-    from primaplug.launch import LocalNodes
+    from primaplug.head.launch import LocalNodes
     from primaplug.server import create_app
 
     kwargs = dict(LLAMA_KWARGS, logits_all=False, chat_format="gemma")

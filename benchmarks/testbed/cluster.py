@@ -22,7 +22,7 @@ from types import FrameType
 from benchmarks.testbed import cgroups
 from benchmarks.testbed.devices import Device
 from benchmarks.testbed.linkproxy import LinkProxy
-from primaplug.launch import LocalNodes
+from primaplug.head.launch import LocalNodes
 
 
 def copy_model(model: Path, dest: Path) -> Path:

@@ -1,8 +1,9 @@
 """Route llama.cpp's log into Python logging, and keep its last errors for exception messages.
 
-llama-cpp-python prints the native log to stderr. primaplug sends it to the `primaplug.llama` logger instead
-(INFO lines at DEBUG, so a normal run stays quiet) and remembers the last error lines, so a NULL returned by a
-native call becomes an exception that says what llama.cpp complained about.
+llama-cpp-python prints the native log to stderr. primaplug sends it to the `primaplug.llama` logger instead, every
+line at DEBUG and errors at INFO, so that neither a library user (Python's last-resort handler shows WARNING and
+up) nor a CLI user without -v sees llama.cpp's own lines. It remembers the last error lines, so a failed native
+call becomes an exception that says what llama.cpp complained about.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ logger = logging.getLogger("primaplug.llama")
 
 # ggml_log_level (ggml.h): NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5 (continues the previous line)
 _ERROR = 4
-_LEVELS = {0: logging.CRITICAL, 1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
+_LEVELS = {0: logging.DEBUG, 1: logging.DEBUG, 2: logging.DEBUG, 3: logging.DEBUG, 4: logging.INFO}
 _errors: collections.deque[str] = collections.deque(maxlen=8)
 _lock = threading.Lock()
 _installed = False

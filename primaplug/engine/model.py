@@ -21,6 +21,7 @@ import numpy as np
 from llama_cpp import llama_cpp as _ll
 
 from primaplug.core.errors import EngineError, WindowRangeError
+from primaplug.core.settings import RunSettings
 from primaplug.core.windows import LayerRange
 from primaplug.engine import _log, _native
 from primaplug.engine.affinity import on_cpu, pinned_cpus
@@ -31,15 +32,16 @@ from primaplug.engine.progress import LayerProgress
 # chained in one process, and a node's window from the moment its input arrives. Whoever sets it pauses the pool
 # right after the work (Model.pause_threads), so that the threads never spin while another process computes.
 BUSY_POLL = 50
+_RUN = RunSettings()
 
 
 @dataclass(frozen=True)
 class ContextSettings:
     """Sizes and threads of a window's llama.cpp context."""
 
-    n_ctx: int = 4096
-    n_batch: int = 512  # tokens per forward call handed to llama.cpp (longer inputs are split)
-    n_ubatch: int = 512  # tokens per compute step inside llama.cpp
+    n_ctx: int = _RUN.n_ctx
+    n_batch: int = _RUN.n_batch  # tokens per forward call handed to llama.cpp (longer inputs are split)
+    n_ubatch: int = _RUN.n_ubatch  # tokens per compute step inside llama.cpp
     n_threads: int = 0  # 0: one per CPU core
     n_seq_max: int = 1
     # off by default, as in llama_cpp.Llama: the two attention kernels round differently, and a split model
@@ -438,6 +440,11 @@ class Window:
         if logits not in ("last", "all", "keep"):
             raise ValueError(f"logits must be 'last', 'all' or 'keep', not {logits!r}")
         width = self.n_embd if self.output_hidden else self.n_vocab
+        if not self.layers.n_layers:
+            # the output-only window holds no keys or values, yet llama.cpp checks that each batch's positions
+            # continue the ones it saw last; the ring hands it the last row of each batch, at any position (a
+            # batch of n_batch rows ends n_batch on, a conversation goes back): it forgets what it saw
+            _ll.llama_memory_clear(_ll.llama_get_memory(self._ctx), False)
         out: list[np.ndarray] = []
         for i in range(0, n, self.settings.n_batch):
             j = min(n, i + self.settings.n_batch)
@@ -486,9 +493,10 @@ class Window:
         with on_cpu(self.cpu):
             code = _ll.llama_decode(self._ctx, batch.raw)
         if code != 0:
+            err = _log.take_errors()
             raise EngineError(
-                f"window {self.layers}: llama_decode failed for {n} tokens at positions {pos[0]}..{pos[-1]}"
-                + (f": {err}" if (err := _log.take_errors()) else ""),
+                f"window {self.layers} could not compute {n} tokens at positions {pos[0]}..{pos[-1]}: "
+                f"{_decode_failure(code, err, self.settings.n_ctx)}" + (f" (llama.cpp: {err})" if err else ""),
                 code,
             )
 
@@ -530,6 +538,21 @@ class Window:
     def __repr__(self) -> str:
         kind = "hidden" if self.output_hidden else "logits"
         return f"Window({self.layers}, out={kind})"
+
+
+def _decode_failure(code: int, err: str, n_ctx: int) -> str:
+    """The likely cause of a llama_decode return code (llama.h), in words."""
+    if "sequence positions" in err:
+        return ("its KV cache does not hold the positions before these: the device and the head disagree on the "
+                "conversation so far (a device restarted, or a message was lost); the head replays it on the next "
+                "request")
+    if code == 1:
+        return f"no room in its KV cache of {n_ctx} cells: the context is full; raise n_ctx (-c)"
+    if code == 2:
+        return "the computation was aborted"
+    if code == -1:
+        return "llama.cpp refused the batch as invalid"
+    return "the computation failed; the device may be out of memory (see its log, with -v)"
 
 
 def one_per_context(windows: Iterable[Window | None]) -> list[Window]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -37,3 +38,20 @@ def plain_llama_forward(
         yield forward
     finally:
         llm.close()
+
+
+@contextmanager
+def plain_llama(path: str | os.PathLike[str], **kwargs: Any) -> Iterator[llama_cpp.Llama]:
+    """Plain llama-cpp-python on the whole model, with llama.cpp's log going where the engine sends it (not to the
+    terminal), closed on exit: the reference of `run --verify`."""
+    _log.install()
+    llm = llama_cpp.Llama(os.fspath(path), **kwargs)
+    try:
+        yield llm
+    finally:
+        llm.close()
+
+
+def is_eog(llm: llama_cpp.Llama, token: int) -> bool:
+    """Whether a token ends a generation (end of turn, end of text), for any llama_cpp.Llama, ring or plain."""
+    return bool(llama_cpp.llama_vocab_is_eog(llm._model.vocab, token))

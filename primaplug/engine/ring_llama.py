@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import llama_cpp
@@ -25,15 +25,19 @@ from primaplug.core.errors import PrimaplugError
 from primaplug.engine.model import ContextSettings, Model, Window
 
 
-class Ring(Protocol):
-    """The layers that run round the ring (primaplug.coordinator.RingHead fits)."""
+class Session(Protocol):
+    """The conversation on the ring: what the head's context hands its tokens and KV operations to
+    (primaplug.head.Session fits)."""
 
-    def forward(self, tokens: Sequence[int] | np.ndarray, pos0: int, *, seq_id: int = 0,
-                all_rows: bool = False) -> np.ndarray: ...
+    @property
+    def n_past(self) -> int: ...
 
-    def kv_remove(self, seq_id: int, p0: int, p1: int = -1) -> None: ...
+    def eval(self, tokens: Sequence[int], pos0: int, *, all_rows: bool = False,
+             output: Callable[[np.ndarray, int], None] | None = None) -> None: ...
 
-    def kv_clear(self) -> None: ...
+    def rewind(self, pos: int) -> None: ...
+
+    def clear(self) -> None: ...
 
 
 _building = threading.local()
@@ -54,7 +58,7 @@ class _HeadModel(_internals.LlamaModel):
 
 
 class _HeadContext(_internals.LlamaContext):
-    """llama-cpp-python's context wrapper over the output-only window; KV operations go round the ring."""
+    """llama-cpp-python's context wrapper over the output-only window; KV operations go to the session."""
 
     def __init__(self, *, model: Any, params: Any, verbose: bool = True) -> None:
         head: Model = _building.model
@@ -65,24 +69,18 @@ class _HeadContext(_internals.LlamaContext):
         self.model, self.params, self.verbose = model, params, verbose
         self._exit_stack = contextlib.ExitStack()
         self.ctx = self.window._ctx
-        self.ring: Ring = _building.ring
-        # positions [0, cached) may be in the ring's caches: removing from cached on is free, and
-        # llama-cpp-python asks for that before every eval
-        self.cached = params.n_ctx
+        self.session: Session = _building.session
 
-    # the output-only window keeps no keys or values, but llama.cpp still tracks its positions: it follows too
+    # the output-only window keeps no keys or values and forgets positions as it goes (Window.forward): the KV
+    # cache that matters is the ring's, which the session owns
     def kv_cache_clear(self) -> None:
-        self.ring.kv_clear()
-        self.window.kv_clear()
-        self.cached = 0
+        self.session.clear()
 
     def kv_cache_seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
-        if p1 < 0 and p0 >= self.cached:
-            return True
-        self.ring.kv_remove(seq_id, p0, p1)
-        self.window.kv_remove(seq_id, p0, p1)
-        if p1 < 0 and seq_id < 0:
-            self.cached = p0
+        if p1 >= 0:
+            raise PrimaplugError(f"removing positions [{p0}, {p1}) from the middle of a conversation is not supported "
+                                 "over a ring: only rewinding (removing every position from one on)")
+        self.session.rewind(max(p0, 0))
         return True
 
     def kv_cache_seq_cp(self, *args: Any) -> None:
@@ -108,53 +106,55 @@ class _Internals:
 
 
 @contextlib.contextmanager
-def _head_parts(model: Model, ring: Ring) -> Iterator[None]:
+def _head_parts(model: Model, session: Session) -> Iterator[None]:
     with _swap_lock:
-        _building.model, _building.ring = model, ring
+        _building.model, _building.session = model, session
         _llama_module.internals = _Internals()  # type: ignore[assignment]
         try:
             yield
         finally:
             _llama_module.internals = _internals
-            _building.model = _building.ring = None
+            _building.model = _building.session = None
 
 
 class RingLlama(llama_cpp.Llama):
-    """llama_cpp.Llama over a ring: `head` is the head's windowed model (vocabulary and output layer)."""
+    """llama_cpp.Llama over a ring: `head` is the head's windowed model (vocabulary and output layer), `session`
+    the conversation on the ring."""
 
-    def __init__(self, head: Model, ring: Ring, **kwargs: Any) -> None:
+    def __init__(self, head: Model, session: Session, **kwargs: Any) -> None:
         if not head.output:
             raise PrimaplugError("the head's model must be loaded with output=True: the head runs the output layer")
         for unsupported in ("draft_model", "lora_path", "embedding"):
             if kwargs.get(unsupported):
                 raise PrimaplugError(f"{unsupported} is not supported over a ring yet")
-        self._head, self._ring = head, ring
+        self._head, self._session = head, session
         kwargs.setdefault("flash_attn", False)
-        with _head_parts(head, ring):
+        with _head_parts(head, session):
             super().__init__(head.path, **kwargs)
         self._out: Window = self._ctx.window  # type: ignore[attr-defined]
 
     def eval(self, tokens: Sequence[int]) -> None:
-        """Run tokens through the ring, n_batch at a time; the logits land in the head's context."""
-        self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
-        for i in range(0, len(tokens), self.n_batch):
-            batch = list(tokens[i : i + self.n_batch])
-            n_past, n = self.n_tokens, len(batch)
-            try:
-                hidden = self._ring.forward(batch, n_past, all_rows=self._logits_all)
-                # the sampler reads the logits in the context; copy them out only when llama-cpp-python keeps them
-                logits = self._out.forward(hidden, n_past + n - len(hidden),
-                                           logits="all" if self._logits_all else "keep")
-            except BaseException:
-                # the ring's caches are in an unknown state: the next eval clears them and starts over
-                self.n_tokens, self._ctx.cached = 0, self.n_ctx()  # type: ignore[attr-defined]
-                raise
-            self._ctx.cached = max(self._ctx.cached, n_past + n)  # type: ignore[attr-defined]
-            self.input_ids[n_past : n_past + n] = batch
+        """Run tokens through the ring from position n_tokens (the session rewinds its prefix to there first); the
+        logits land in the head's context, where llama-cpp-python's sampler reads them."""
+        n_past, n = self.n_tokens, len(tokens)
+        if n_past + n > len(self.input_ids):  # the n_ctx asked for (llama.cpp pads its own to a multiple of 256)
+            # llama-cpp-python's own words for it (Llama.create_completion), so callers see one error either way
+            raise ValueError(f"Requested tokens ({n_past + n}) exceed context window of {len(self.input_ids)}")
+        mode = "all" if self._logits_all else "keep"  # "keep": the sampler reads them in llama.cpp's buffer
+
+        def output(hidden: np.ndarray, pos: int) -> None:
+            logits = self._out.forward(hidden, pos, logits=mode)
             if self._logits_all:
-                self.scores[n_past : n_past + n, :] = logits
-            self.n_tokens += n
-            self._requires_eval = False
+                self.scores[pos : pos + len(logits), :] = logits
+
+        self._session.eval(list(tokens), n_past, all_rows=self._logits_all, output=output)
+        self.input_ids[n_past : n_past + n] = tokens
+        self.n_tokens += n
+        self._requires_eval = False
+
+    def is_eog(self, token: int) -> bool:
+        """Whether the token ends a generation (end of turn, end of text)."""
+        return self._head.is_eog(token)
 
     def embed(self, *args: Any, **kwargs: Any) -> Any:
         raise PrimaplugError("embeddings are not supported over a ring")

@@ -21,9 +21,11 @@ import psutil
 
 from primaplug import __version__
 from primaplug.core.errors import ConfigError, PrimaplugError, ProtocolError
+from primaplug.core.settings import DEFAULT_PORT, TIMEOUT_S
+from primaplug.device import MemorySettings
 from primaplug.engine import ModelLayout, read_layout
 from primaplug.memory.system import memory_view
-from primaplug.node.deployment import Deployment, MemorySettings
+from primaplug.node.deployment import Deployment
 from primaplug.node.profiling import Profiling
 from primaplug.transport import RingIn, Transport, is_loopback
 from primaplug.wire import (
@@ -40,6 +42,7 @@ from primaplug.wire import (
     ModelIdentity,
     ProfileReply,
     RingError,
+    RingFrameError,
     Shutdown,
     Status,
     Unload,
@@ -57,10 +60,10 @@ log = logging.getLogger(__name__)
 class NodeSettings:
     models: tuple[Path, ...]  # the only files this node will ever open
     host: str = "127.0.0.1"
-    port: int = 7000  # control; the ring listens on port + 1 (both random when port is 0)
+    port: int = DEFAULT_PORT  # control; the ring listens on port + 1 (both random when port is 0)
     name: str = field(default_factory=platform.node)
     secure: bool = False  # whether the transport was given the cluster keys
-    send_timeout_s: float = 5.0  # how long a ring send waits for a successor before giving up
+    send_timeout_s: float = TIMEOUT_S  # how long a ring send waits for a successor before giving up
     memory: MemorySettings = MemorySettings()
     profile_dir: Path | None = None  # where the device profile is cached (default ~/.cache/primaplug/profiles)
     pin_threads: bool | None = None  # compute threads on a core each: None when they use every core (--cpu-strict)
@@ -192,6 +195,7 @@ class Node:
         dep = self._deployment
         if detail and dep is not None and dep.prefetcher is not None:
             p = dep.prefetcher
+            p.wait_idle(2.0)  # the measurements of a settled device: a release may still be under way after a token
             pressure = memory_view().pressure_since(self._used_at_start)
             status = msgspec.structs.replace(
                 status, memory_mode=p.mode, bytes_prefetched=p.stats.bytes_prefetched,
@@ -284,6 +288,7 @@ class Node:
             else:
                 out = (msg, None)
         except (ProtocolError, PrimaplugError) as e:
+            step = e.step if isinstance(e, RingFrameError) else step
             log.warning("ring message refused (step %d): %s", step, e)
             if dep is None:
                 return  # no successor to tell: the head will time out and ask for a status

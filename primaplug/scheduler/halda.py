@@ -76,7 +76,7 @@ class FixedKSolver:
     """
 
     def __init__(self, p: Platform) -> None:
-        import highspy  # lazily: importing the scheduler (and the coordinator) must not load the solver
+        import highspy  # lazily: importing the scheduler (and the head) must not load the solver
 
         self._hs = highspy
         self.p = p

@@ -42,7 +42,7 @@ def solve(
     Devices whose disk reads at most `slow_disk_bps` bytes/s never spill layers to disk under Halda.
     `latency_model` "paper" is Eq. 11 (the sum over devices), minimised by the ILP; "ring" is
     scheduler/ring.py (disks overlapping the other devices' work, as the nodes' prefetcher runs), minimised
-    exactly by ring.best_placement. Both scores any scheduler's plan; the coordinator uses "ring".
+    exactly by ring.best_placement. Both scores any scheduler's plan; the head uses "ring".
     Raises PlacementInfeasibleError when the model cannot be placed, ValueError on malformed input.
     """
     if scheduler not in SCHEDULERS:

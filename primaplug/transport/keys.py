@@ -2,6 +2,9 @@
 
 Every socket a device binds is a Curve server with this key, and accepts only clients that prove they hold its
 secret half, so a peer without the key file can neither connect nor read the traffic.
+
+zmq is imported by the two functions that need it, not here: ClusterKeys is a plain value that the in-process
+transport and type hints use without loading ZeroMQ.
 """
 
 from __future__ import annotations
@@ -10,8 +13,6 @@ import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-
-import zmq
 
 from primaplug.core.errors import ConfigError
 
@@ -30,6 +31,8 @@ def generate_keys(path: str | os.PathLike[str]) -> ClusterKeys:
     p = Path(path)
     if p.exists():
         raise ConfigError(f"{p} exists; remove it first if you mean to replace the cluster key")
+    import zmq
+
     public, secret = zmq.curve_keypair()
     fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -49,6 +52,8 @@ def load_keys(path: str | os.PathLike[str]) -> ClusterKeys:
         raise ConfigError(f"{p} is not a primaplug key file ({e}): make one with `primaplug keygen`") from None
     if len(public) != 40 or len(secret) != 40:
         raise ConfigError(f"{p}: keys must be 40-character Z85 strings")
+    import zmq
+
     if zmq.curve_public(secret) != public:
         raise ConfigError(f"{p}: the public key does not belong to the secret key")
     return ClusterKeys(public, secret)

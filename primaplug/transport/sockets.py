@@ -1,17 +1,16 @@
-"""The sockets of a device, made by one Transport per process.
+"""The ZeroMQ transport: the sockets of a device over TCP, made by one ZmqTransport per process.
 
 Control: a node binds a ROUTER, the head talks to it through a DEALER, one reply per request, matched by a
 request id so that a late reply to a timed-out request is never taken for the answer to the next one.
 Ring: every device binds a PULL and PUSHes to its successor's PULL. Sends never block longer than their
 timeout and never queue for a peer that is not connected, so a dead successor shows up as an error.
+With cluster keys, every socket speaks CurveZMQ and bound sockets admit only holders of the key.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
 import logging
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -21,36 +20,15 @@ import zmq.auth.thread
 import zmq.utils.monitor
 
 from primaplug.core.errors import ConfigError
+from primaplug.transport.addresses import endpoint, is_loopback, split_address
+from primaplug.transport.base import Frames
 from primaplug.transport.keys import ClusterKeys
 
 log = logging.getLogger(__name__)
 
-Frames = list[bytes | memoryview]
-
-
-def split_address(address: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
-    """'HOST:PORT', ':PORT' or 'PORT' -> (host, port)."""
-    host, _, port = address.rpartition(":")
-    try:
-        return (host.strip("[]") or default_host), int(port)
-    except ValueError:
-        raise ConfigError(f"'{address}' is not HOST:PORT") from None
-
-
-def endpoint(host: str, port: int) -> str:
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        try:
-            return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
-        except OSError:
-            return False
+# the address helpers lived here first; importing them from this module still works
+__all__ = ["ZmqControlClient", "ZmqControlServer", "ZmqRingIn", "ZmqRingOut", "ZmqTransport", "endpoint",
+           "is_loopback", "split_address"]
 
 
 class _KeyCheck:
@@ -100,7 +78,7 @@ class _HandshakeLog(threading.Thread):
         self.join(2)
 
 
-class Transport:
+class ZmqTransport:
     """Owns the ZeroMQ context; every socket of the process comes from here.
 
     With keys, every bound socket is a CurveZMQ server that admits only holders of the cluster key, and every
@@ -150,29 +128,29 @@ class Transport:
             self._monitors.append(_HandshakeLog(sock, endpoint(host, port)))
         return port
 
-    def control_server(self, host: str, port: int) -> ControlServer:
+    def control_server(self, host: str, port: int) -> ZmqControlServer:
         sock = self._socket(zmq.ROUTER)
         port = self._bind(sock, host, port)
-        return ControlServer(sock, endpoint(host, port))
+        return ZmqControlServer(sock, endpoint(host, port))
 
-    def control_client(self, address: str) -> ControlClient:
+    def control_client(self, address: str) -> ZmqControlClient:
         sock = self._socket(zmq.DEALER)
         self._client(sock)
         sock.connect(address)
-        return ControlClient(sock, address)
+        return ZmqControlClient(sock, address)
 
-    def ring_in(self, host: str, port: int) -> RingIn:
+    def ring_in(self, host: str, port: int) -> ZmqRingIn:
         sock = self._socket(zmq.PULL)
         port = self._bind(sock, host, port)
-        return RingIn(sock, endpoint(host, port))
+        return ZmqRingIn(sock, endpoint(host, port))
 
-    def ring_out(self, address: str) -> RingOut:
+    def ring_out(self, address: str) -> ZmqRingOut:
         sock = self._socket(zmq.PUSH)
         sock.immediate = True  # queue nothing for a successor that is not connected
         sock.sndhwm = 64
         self._client(sock)
         sock.connect(address)
-        return RingOut(sock, address)
+        return ZmqRingOut(sock, address)
 
     def close(self) -> None:
         for m in self._monitors:
@@ -184,7 +162,7 @@ class Transport:
         self.ctx.destroy(linger=0)  # closes any socket an error path left open, instead of waiting for it
 
 
-class ControlServer:
+class ZmqControlServer:
     def __init__(self, sock: zmq.Socket, address: str) -> None:
         self.sock, self.address = sock, address
 
@@ -202,7 +180,7 @@ class ControlServer:
         self.sock.close()
 
 
-class ControlClient:
+class ZmqControlClient:
     def __init__(self, sock: zmq.Socket, address: str) -> None:
         self.sock, self.address = sock, address
         self._ids = itertools.count(1)
@@ -229,7 +207,7 @@ class ControlClient:
         self.sock.close()
 
 
-class RingIn:
+class ZmqRingIn:
     def __init__(self, sock: zmq.Socket, address: str) -> None:
         self.sock, self.address = sock, address
 
@@ -243,7 +221,7 @@ class RingIn:
         self.sock.close()
 
 
-class RingOut:
+class ZmqRingOut:
     def __init__(self, sock: zmq.Socket, address: str) -> None:
         self.sock, self.address = sock, address
 

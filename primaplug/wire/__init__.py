@@ -1,4 +1,4 @@
-"""Typed, versioned messages between the head and the nodes: the only thing `node` and `coordinator` share.
+"""Typed, versioned messages between the head and the nodes: the only thing `node` and `head` share.
 
 Control messages (`messages.py`) are msgpack-encoded tagged structs, one request and one reply each.
 Ring messages (`ring.py`) are a msgpack header plus, for activations, one raw buffer frame sent without copy.
@@ -26,12 +26,20 @@ from primaplug.wire.messages import (
     decode_request,
     encode,
 )
-from primaplug.wire.ring import Activation, KvOp, RingError, RingMessage, decode_ring, encode_ring, window_output
+from primaplug.wire.ring import (
+    Activation,
+    KvOp,
+    RingError,
+    RingFrameError,
+    RingMessage,
+    decode_ring,
+    encode_ring,
+    window_output,
+)
 
 __all__ = [
     "PROTOCOL_VERSION", "Activation", "Assignment", "ControlReply", "ControlRequest", "DeviceFacts", "ErrorReply",
     "GetProfile", "GetStatus", "Hello", "KvOp", "LoadAssignment", "ModelIdentity", "ProfileReply", "RingError",
-    "RingMessage", "Shutdown",
-    "Status", "Unload", "Welcome", "WindowSpec", "decode_reply", "decode_request", "decode_ring", "encode",
-    "encode_ring", "window_output",
+    "RingFrameError", "RingMessage", "Shutdown", "Status", "Unload", "Welcome", "WindowSpec", "decode_reply",
+    "decode_request", "decode_ring", "encode", "encode_ring", "window_output",
 ]

@@ -1,4 +1,4 @@
-"""Control-channel messages: the head (coordinator) asks, a node answers.
+"""Control-channel messages: the head asks, a node answers.
 
 Every request gets exactly one reply: the reply named in its docstring, or an ErrorReply. Fields carry their
 units; layer ranges are [start, end). Adding a field with a default keeps PROTOCOL_VERSION (decoders ignore

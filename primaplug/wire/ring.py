@@ -82,6 +82,15 @@ def encode_ring(msg: RingMessage, rows: np.ndarray | None = None) -> list[bytes 
     return frames
 
 
+class RingFrameError(ProtocolError):
+    """A ring message whose header was read but whose body does not fit it: `step` says which message it was, so
+    that the refusal reaches the head as the answer to that step instead of being lost."""
+
+    def __init__(self, step: int, message: str) -> None:
+        self.step = step
+        super().__init__(message)
+
+
 def decode_ring(frames: list[bytes | memoryview]) -> tuple[RingMessage, np.ndarray | None]:
     """The message and, for an Activation, its rows (n_rows x width), checked against the header."""
     if not frames:
@@ -95,22 +104,22 @@ def decode_ring(frames: list[bytes | memoryview]) -> tuple[RingMessage, np.ndarr
                             "run the same primaplug version on every device")
     if not isinstance(msg, Activation):
         if len(frames) != 1:
-            raise ProtocolError(f"a {type(msg).__name__} has one frame, got {len(frames)}")
+            raise RingFrameError(msg.step, f"a {type(msg).__name__} has one frame, got {len(frames)}")
         return msg, None
     if len(frames) != 2:
-        raise ProtocolError(f"an activation has two frames (header, rows), got {len(frames)}")
+        raise RingFrameError(msg.step, f"an activation has two frames (header, rows), got {len(frames)}")
     if msg.n_rows < 1 or msg.width < 1 or msg.pos0 < 0 or msg.round < 0 or msg.seq_id < 0:
-        raise ProtocolError(f"activation step {msg.step}: bad shape or position "
+        raise RingFrameError(msg.step, f"activation step {msg.step}: bad shape or position "
                             f"(rows {msg.n_rows}, width {msg.width}, pos0 {msg.pos0}, round {msg.round}, "
                             f"seq {msg.seq_id})")
     if (msg.dtype == "int32") != (msg.width == 1):
-        raise ProtocolError(f"activation step {msg.step}: {msg.dtype} rows of width {msg.width} "
+        raise RingFrameError(msg.step, f"activation step {msg.step}: {msg.dtype} rows of width {msg.width} "
                             "(token ids are int32 of width 1, hidden states float32 of width n_embd)")
     dtype = DTYPES[msg.dtype]
     payload = frames[1]
     expect = msg.n_rows * msg.width * dtype.itemsize
     if len(payload) != expect:
-        raise ProtocolError(f"activation step {msg.step}: buffer holds {len(payload)} bytes, the header says "
-                            f"{msg.n_rows} rows x {msg.width} x {dtype.itemsize} = {expect}")
+        raise RingFrameError(msg.step, f"activation step {msg.step}: buffer holds {len(payload)} bytes, the header "
+                             f"says {msg.n_rows} rows x {msg.width} x {dtype.itemsize} = {expect}")
     rows = np.frombuffer(payload, dtype=dtype).reshape(msg.n_rows, msg.width)
     return msg, rows

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from primaplug import __version__
 from primaplug.core.errors import NodeError, NodeUnavailableError, ProtocolError
 from primaplug.core.profiles import DeviceProfile
+from primaplug.core.settings import LOAD_TIMEOUT_S, TIMEOUT_S
 from primaplug.transport import ControlClient, Transport, endpoint, split_address
 from primaplug.wire import (
     PROTOCOL_VERSION,
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 class NodeClient:
     """The control channel to one node, named by its HOST:PORT address."""
 
-    def __init__(self, transport: Transport, address: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, transport: Transport, address: str, timeout_s: float = TIMEOUT_S) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.client: ControlClient = transport.control_client(endpoint(*split_address(address)))
@@ -79,7 +80,7 @@ class NodeClient:
         """The node's state; with detail, also its memory measurements (prefetch, faults, residency, pressure)."""
         return self._status_reply(GetStatus(detail=detail))
 
-    def profile(self, model: str, *, force: bool = False, timeout_s: float = 600.0,
+    def profile(self, model: str, *, force: bool = False, timeout_s: float = LOAD_TIMEOUT_S,
                 progress: Callable[[str], None] | None = None) -> DeviceProfile:
         """The node's DeviceProfile for the model of that identity, waiting while the node measures itself."""
         deadline = time.monotonic() + timeout_s

@@ -8,18 +8,18 @@ channel): a node that answers nothing for `timeout_s` is reported dead, with wha
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from typing import Protocol
 
 import msgspec
 import numpy as np
 
-from primaplug.coordinator.nodes import NodeClient
 from primaplug.core.errors import NodeError, NodeUnavailableError, ProtocolError
-from primaplug.core.windows import LayerRange
+from primaplug.core.settings import PROBE_AFTER_S, TIMEOUT_S
+from primaplug.device import DeviceWindows
+from primaplug.head.nodes import NodeClient
 from primaplug.transport import RingIn, RingOut
 from primaplug.wire import (
     PROTOCOL_VERSION,
@@ -34,78 +34,68 @@ from primaplug.wire import (
 
 log = logging.getLogger(__name__)
 
-PROBE_AFTER_S = 0.5  # silence on the ring before the head starts asking the nodes how they are
-
-
-class LocalWindow(Protocol):
-    """A window the head computes itself (primaplug.engine.Window fits)."""
-
-    layers: LayerRange
-    n_embd: int
-
-    @property
-    def takes_tokens(self) -> bool: ...
-
-    def forward(self, inputs: np.ndarray, positions: int, *, seq_id: int = 0) -> np.ndarray: ...
-
-    def kv_clear(self) -> None: ...
-
-    def kv_remove(self, seq_id: int, p0: int, p1: int = -1) -> None: ...
-
-
 class RingHead:
-    def __init__(self, nodes: Sequence[NodeClient], ring_in: RingIn, ring_out: RingOut | None, epoch: int,
-                 head_windows: Sequence[LocalWindow | None], n_layer: int, n_embd: int,
-                 timeout_s: float = 5.0) -> None:
+    """The ring as the head drives it: the nodes in ring order, then the head's own windows (`local`, one per round;
+    None when the head runs only the output layer). Without nodes the head runs every window itself, one per
+    "round". The session numbers the steps."""
+
+    def __init__(self, nodes: Sequence[NodeClient], ring_in: RingIn | None, ring_out: RingOut | None, epoch: int,
+                 local: DeviceWindows | None, rounds: int, n_layer: int, n_embd: int,
+                 timeout_s: float = TIMEOUT_S) -> None:
         self.nodes = list(nodes)
         self.ring_in, self.ring_out = ring_in, ring_out
         self.epoch = epoch
-        self.head_windows = list(head_windows)
-        self.rounds = len(self.head_windows)
+        self.local = local
+        self.rounds = rounds
         self.n_layer, self.n_embd = n_layer, n_embd
         self.timeout_s = timeout_s
-        self._steps = itertools.count(1)
 
-    # --- what the head's model calls ---------------------------------------------------------------------------
-
-    def forward(self, tokens: Sequence[int] | np.ndarray, pos0: int, *, seq_id: int = 0,
+    def forward(self, tokens: Sequence[int] | np.ndarray, pos0: int, step: int, *, seq_id: int = 0,
                 all_rows: bool = False) -> np.ndarray:
         """Hidden states after the last layer: of every token (all_rows) or of the last one only."""
         rows: np.ndarray = np.asarray(tokens, dtype=np.int32).reshape(-1, 1)
-        msg = Activation(proto=PROTOCOL_VERSION, epoch=self.epoch, step=next(self._steps), round=0, seq_id=seq_id,
+        msg = Activation(proto=PROTOCOL_VERSION, epoch=self.epoch, step=step, round=0, seq_id=seq_id,
                          pos0=pos0, n_rows=len(rows), width=1, dtype="int32", all_rows=all_rows)
         what = f"{'prefill of' if len(rows) > 1 else 'decode of'} {len(rows)} token(s) at position {pos0}"
-        for r in range(self.rounds):
-            msg = _with_round(msg, r)
-            got, out = self._round_trip(msg, rows, f"{what}, round {r + 1}/{self.rounds}")
-            assert isinstance(got, Activation) and out is not None
-            msg, rows = got, out
-            w = self.head_windows[r]
-            if w is not None:
-                out = w.forward(rows[:, 0] if w.takes_tokens else rows, msg.pos0, seq_id=seq_id)
-                msg, rows = window_output(msg, out, last_layer=w.layers.end == self.n_layer)
+        # alone, the head's windows run back to back: its threads stay awake from the first to the last
+        with self.local.awake() if self.local is not None and not self.nodes else contextlib.nullcontext():
+            for r in range(self.rounds):
+                msg = msgspec.structs.replace(msg, round=r)
+                got, out = self._round_trip(msg, rows, f"{what}, round {r + 1}/{self.rounds}")
+                assert isinstance(got, Activation) and out is not None
+                msg, rows = self._local(r, got, out, seq_id)
         if msg.dtype != "float32" or msg.width != self.n_embd:
             raise ProtocolError(f"the ring returned {msg.dtype} rows of width {msg.width}, not hidden states")
         return rows
 
-    def kv_remove(self, seq_id: int, p0: int, p1: int = -1) -> None:
-        self._kv(KvOp(proto=PROTOCOL_VERSION, epoch=self.epoch, step=next(self._steps), op="remove",
-                      seq_id=seq_id, p0=p0, p1=p1))
+    def _local(self, r: int, msg: Activation, rows: np.ndarray, seq_id: int) -> tuple[Activation, np.ndarray]:
+        """The head's own window of round r, if it has one."""
+        w = self.local.window(r) if self.local is not None else None
+        if w is None:
+            return msg, rows
+        assert self.local is not None
+        inputs = rows[:, 0] if w.takes_tokens else rows
+        with self.local.awake() if self.nodes else contextlib.nullcontext():
+            out = self.local.compute(r, inputs, msg.pos0, seq_id=seq_id)
+        self.local.done(r)
+        return window_output(msg, out, last_layer=w.layers.end == self.n_layer)
 
-    def kv_clear(self) -> None:
-        self._kv(KvOp(proto=PROTOCOL_VERSION, epoch=self.epoch, step=next(self._steps), op="clear"))
+    def kv_remove(self, step: int, seq_id: int, p0: int, p1: int = -1) -> None:
+        self._kv(KvOp(proto=PROTOCOL_VERSION, epoch=self.epoch, step=step, op="remove", seq_id=seq_id, p0=p0, p1=p1))
+
+    def kv_clear(self, step: int) -> None:
+        self._kv(KvOp(proto=PROTOCOL_VERSION, epoch=self.epoch, step=step, op="clear"))
 
     def _kv(self, op: KvOp) -> None:
         self._round_trip(op, None, f"kv {op.op} from position {op.p0}")
-        for w in self.head_windows:  # windows sharing a context see the op once per window: it is idempotent
-            if w is not None:
-                w.kv_clear() if op.op == "clear" else w.kv_remove(op.seq_id, op.p0, op.p1)
+        if self.local is not None:
+            self.local.kv_clear() if op.op == "clear" else self.local.kv_remove(op.seq_id, op.p0, op.p1)
 
     # --- one trip round the nodes ------------------------------------------------------------------------------
 
     def _round_trip(self, msg: RingMessage, rows: np.ndarray | None,
                     what: str) -> tuple[RingMessage, np.ndarray | None]:
-        if self.ring_out is None:  # no nodes: the head runs every window
+        if self.ring_out is None or self.ring_in is None:  # no nodes: the head runs every window
             return msg, rows
         if not self.ring_out.send(encode_ring(msg, rows), self.timeout_s):
             raise NodeUnavailableError(self.nodes[0].name, f"node {self.nodes[0]} did not take step {msg.step} "
@@ -167,7 +157,3 @@ class _Watch:
                 raise NodeError(str(self.nodes[0]), "lost", f"the ring lost {doing}: every node is alive and idle")
         else:
             self.idle_since = None
-
-
-def _with_round(msg: Activation, r: int) -> Activation:
-    return msgspec.structs.replace(msg, round=r)

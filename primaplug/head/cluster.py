@@ -1,10 +1,10 @@
 """Connect to the nodes, check they hold the head's model, plan the windows, deploy them, and open the ring.
 
 The ring order is the order the nodes are given in, with the head last; the head closes the ring. Windows come
-from a plan (Halda or a baseline, `apply_plan`: the coordinator first collects every node's profile and measures
-the links over the ring) or from window sizes given per device in ring order (`plan`: the head's last, or left
-out to give the head no layers; by default the nodes split the layers evenly and the head runs only the output
-layer).
+from a plan (Halda or a baseline, `apply_plan`: the head first collects every node's profile and measures the
+links over the ring) or from window sizes given per device in ring order (`plan`: the head's last, or left out to
+give the head no layers; by default the nodes split the layers evenly and the head runs only the output layer).
+With no nodes at all the head runs every window itself. What happens is published as events (head/events.py).
 """
 
 from __future__ import annotations
@@ -18,18 +18,21 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from primaplug.coordinator.nodes import NodeClient
-from primaplug.coordinator.ring import LocalWindow, RingHead
 from primaplug.core.errors import ConfigError, NodeError, NodeUnavailableError, ProtocolError
 from primaplug.core.profiles import DeviceProfile
-from primaplug.core.windows import LayerRange, even_split, ring_windows
+from primaplug.core.settings import LOAD_TIMEOUT_S, RunSettings
+from primaplug.core.windows import LayerRange, even_split, execution_order, ring_windows
+from primaplug.device import DeviceWindows
+from primaplug.head.events import Deployed, Events, NodeMetrics, NodeProgress
+from primaplug.head.nodes import NodeClient
+from primaplug.head.ring import RingHead
 from primaplug.scheduler import Plan
 from primaplug.transport import RingIn, RingOut, Transport, is_loopback, split_address
 from primaplug.wire import PROTOCOL_VERSION, Activation, Assignment, ModelIdentity, WindowSpec, decode_ring, encode_ring
 
 log = logging.getLogger(__name__)
 
-Progress = Callable[[str, float, str], None]  # (node, fraction done, what it is doing)
+_RUN = RunSettings()
 # (the sending device: a node's control address, or HEAD; the endpoint it should send to) -> the endpoint it
 # connects to instead: lets an emulated cluster put a slow link in between
 Route = Callable[[str, str], str]
@@ -42,13 +45,13 @@ class ClusterSettings:
     layers: tuple[int, ...] | None = None  # layers per round for each node, then optionally for the head
     rounds: int = 1
     gpu_layers: tuple[int, ...] | None = None  # per node: how many of the first layers of each window go on its GPU
-    n_ctx: int = 4096
-    n_batch: int = 512
-    n_ubatch: int = 512
-    n_threads: int = 0  # on each node; 0: all its cores
-    listen: str = "127.0.0.1"  # where the head receives the ring's output (the last node must reach it)
-    timeout_s: float = 5.0  # silence after which a node counts as gone
-    load_timeout_s: float = 600.0
+    n_ctx: int = _RUN.n_ctx
+    n_batch: int = _RUN.n_batch
+    n_ubatch: int = _RUN.n_ubatch
+    n_threads: int = _RUN.node_threads  # on each node; 0: all its cores
+    listen: str = _RUN.listen  # where the head receives the ring's output (the last node must reach it)
+    timeout_s: float = _RUN.timeout_s  # silence after which a node counts as gone
+    load_timeout_s: float = LOAD_TIMEOUT_S
     route: Route | None = None
 
     def link(self, sender: str, endpoint: str) -> str:
@@ -58,9 +61,8 @@ class ClusterSettings:
 class Cluster:
     """The nodes of one ring and their assignment. Close it to disconnect (nodes keep running)."""
 
-    def __init__(self, transport: Transport, settings: ClusterSettings, model: ModelIdentity) -> None:
-        if not settings.nodes:
-            raise ConfigError("a ring needs at least one node")
+    def __init__(self, transport: Transport, settings: ClusterSettings, model: ModelIdentity,
+                 events: Events | None = None) -> None:
         hosts = [split_address(a)[0] for a in settings.nodes]
         if not all(is_loopback(h) for h in hosts):
             if transport.keys is None:
@@ -69,19 +71,29 @@ class Cluster:
                 raise ConfigError("the last node cannot reach a head listening on loopback: pass --listen with "
                                   "this device's address on the nodes' network")
         self.transport, self.settings, self.model = transport, settings, model
+        self.events = events or Events()
         self.nodes = [NodeClient(transport, a, settings.timeout_s) for a in settings.nodes]
-        self.ring_in: RingIn = transport.ring_in(settings.listen, 0)
+        # the ring's output comes back here; a head without nodes has no ring to listen to
+        self.ring_in: RingIn | None = transport.ring_in(settings.listen, 0) if settings.nodes else None
         self.epoch = int(time.time() * 1000)
         self.head_ranges: list[LayerRange] = []
         self.node_ranges: list[list[LayerRange]] = []
         self.node_gpu: list[int] = []  # per node: layers of each of its windows on its GPU
         self._outs: list[RingOut] = []
 
+    @property
+    def _head_in(self) -> RingIn:
+        assert self.ring_in is not None, "a cluster without nodes has no ring"
+        return self.ring_in
+
     def connect(self) -> None:
         """Say hello to every node and check that each holds the head's model."""
         wrong = []
         for n in self.nodes:
             w = n.hello()
+            d = w.device
+            self.events.publish(NodeProgress(n.name, "connected", 0.0, f"{d.os} {d.machine}, {d.cpu_count} cores, "
+                                             f"{d.mem_total_bytes / 2**30:.1f} GiB"))
             if self.model.identity not in {m.identity for m in w.models}:
                 held = ", ".join(f"{m.file_name} ({m.identity})" for m in w.models)
                 wrong.append(f"{n} holds {held}")
@@ -93,8 +105,12 @@ class Cluster:
     def plan(self) -> None:
         """Turn the settings' window sizes (or an even split over the nodes) into windows per device."""
         s, n_layer = self.settings, self.model.n_layer
-        if n_layer % s.rounds:
-            raise ConfigError(f"{s.rounds} rounds do not divide the model's {n_layer} layers")
+        if s.rounds < 1 or n_layer % s.rounds:
+            raise ConfigError(f"the rounds must divide the model's {n_layer} layers, got {s.rounds}")
+        if not self.nodes:  # the head alone: the sizes are windows it chains in ring order, one "round" each
+            sizes = list(s.layers) if s.layers else [n_layer // s.rounds]
+            self.head_ranges = [w for w in execution_order(ring_windows(sizes, s.rounds, n_layer)) if w.n_layers]
+            return
         sizes = list(s.layers) if s.layers else even_split(n_layer // s.rounds, len(self.nodes))
         if len(sizes) == len(self.nodes):
             sizes.append(0)  # the head runs only the output layer
@@ -108,14 +124,15 @@ class Cluster:
 
     # --- planning from measurements --------------------------------------------------------------------------
 
-    def profiles(self, progress: Progress | None = None, force: bool = False) -> list[DeviceProfile]:
+    def profiles(self, force: bool = False) -> list[DeviceProfile]:
         """Every node's DeviceProfile for the model, one node after the other (nodes on one machine would
         otherwise slow each other's measurements). Nodes drop windows a previous head left them first."""
         out = []
         for n in self.nodes:
             n.unload()
-            report = (lambda what, n=n: progress(str(n), 0.0, what)) if progress else None
-            p = n.profile(self.model.identity, force=force, progress=report)
+            p = n.profile(self.model.identity, force=force,
+                          progress=lambda what, n=n: self.events.publish(NodeProgress(n.name, "profiling", 0.0, what)))
+            self.events.publish(NodeProgress(n.name, "profiling", 1.0, "profiled"))
             out.append(msgspec.structs.replace(p, name=n.name))
         names = [p.name for p in out]
         if len(set(names)) < len(names):  # two nodes of one name: tell them apart by address
@@ -143,7 +160,7 @@ class Cluster:
                                      n_rows=n_rows, width=self.model.n_embd, dtype="float32", all_rows=True)
                     t0 = time.perf_counter()
                     sent = out.send(encode_ring(msg, data), s.timeout_s)
-                    got = self.ring_in.recv(s.timeout_s) if sent else None
+                    got = self._head_in.recv(s.timeout_s) if sent else None
                     if got is None:
                         raise self._lost("a link probe", f"{n_rows} row(s), trip {step + 1}")
                     back, _ = decode_ring(got)
@@ -174,7 +191,7 @@ class Cluster:
                                             f"back round the ring within {self.settings.timeout_s:.1f} s")
         return NodeUnavailableError(self.nodes[-1].name, f"{what} ({detail}) did not come back round the ring within "
                                     f"{self.settings.timeout_s:.1f} s, though every node answers: check that the "
-                                    f"last node, {self.nodes[-1]}, can reach the head at {self.ring_in.address}")
+                                    f"last node, {self.nodes[-1]}, can reach the head at {self._head_in.address}")
 
     def apply_plan(self, plan: Plan, names: Sequence[str]) -> None:
         """Take the windows of a plan whose devices are the head and then the nodes (`names[i]` is node i's
@@ -183,6 +200,7 @@ class Cluster:
                 if any(d.name == name for d in plan.devices)]
         for n in self.nodes:
             if all(n is not k for k, _ in keep):
+                self.events.publish(NodeProgress(n.name, "left", 0.0, "the plan runs faster without it"))
                 n.close()
         self.nodes = [n for n, _ in keep]
         self.node_ranges = [list(d.windows) for _, d in keep]
@@ -198,30 +216,35 @@ class Cluster:
 
     def _successor(self, i: int) -> str:
         """Where node i sends its output: the next node, or the head after the last."""
-        nxt = self._ring_endpoint(i + 1) if i + 1 < len(self.nodes) else self.ring_in.address
+        nxt = self._ring_endpoint(i + 1) if i + 1 < len(self.nodes) else self._head_in.address
         return self.settings.link(self.nodes[i].address, nxt)
 
-    def deploy(self, progress: Progress | None = None) -> None:
+    def deploy(self) -> None:
         """Send every node its assignment and wait until all have loaded."""
         s = self.settings
         for i, n in enumerate(self.nodes):
             windows = tuple(WindowSpec(r.start, r.end, min(self.node_gpu[i], r.n_layers)) for r in self.node_ranges[i])
             n.load(Assignment(epoch=self.epoch, model=self.model, windows=windows, successor=self._successor(i),
                               n_ctx=s.n_ctx, n_batch=s.n_batch, n_ubatch=s.n_ubatch, n_threads=s.n_threads))
-        self._wait_loaded(self.epoch, progress)
+        t0 = time.perf_counter()
+        self._wait_loaded(self.epoch, report=True)
+        nodes = tuple((n.name, tuple(r)) for n, r in zip(self.nodes, self.node_ranges, strict=True))
+        self.events.publish(Deployed(nodes, tuple(self.head_ranges), time.perf_counter() - t0))
 
-    def _wait_loaded(self, epoch: int, progress: Progress | None) -> None:
+    def _wait_loaded(self, epoch: int, report: bool = False) -> None:
         s = self.settings
         deadline = time.monotonic() + s.load_timeout_s
         pending = list(self.nodes)
         while pending:
             for n in list(pending):
                 st = n.status()
-                if progress:
-                    progress(str(n), st.progress, st.message)
+                if report:
+                    self.events.publish(NodeProgress(n.name, st.state if st.epoch == epoch else "loading",
+                                                     st.progress, st.message))
                 if st.state == "ready" and st.epoch == epoch:
                     pending.remove(n)
                 elif st.state == "failed":
+                    self.events.publish(NodeProgress(n.name, "failed", st.progress, st.message))
                     raise NodeError(str(n), "load_failed", f"could not load its windows: {st.message}")
             if pending and time.monotonic() > deadline:
                 raise NodeUnavailableError(pending[0].name, f"node {pending[0]} did not finish loading within "
@@ -229,15 +252,20 @@ class Cluster:
             if pending:
                 time.sleep(0.05)
 
-    def ring(self, head_windows: Sequence[LocalWindow | None]) -> RingHead:
-        """The ring, closed by the head, with the head's own windows (one per round, None where it has none).
-        Without nodes (a plan that found the head fastest alone) the head runs every window itself."""
+    def ring(self, local: DeviceWindows | None) -> RingHead:
+        """The ring, closed by the head, with the head's own windows (`local`: one per round, over head_ranges).
+        Without nodes (none given, or a plan that found the head fastest alone) the head runs every window."""
         out = None
         if self.nodes:
             out = self.transport.ring_out(self.settings.link(HEAD, self._ring_endpoint(0)))
             self._outs.append(out)
-        return RingHead(self.nodes, self.ring_in, out, self.epoch, head_windows, self.model.n_layer,
+        return RingHead(self.nodes, self.ring_in, out, self.epoch, local, len(self.head_ranges), self.model.n_layer,
                         self.model.n_embd, self.settings.timeout_s)
+
+    def metrics(self) -> None:
+        """Ask every node for its detailed status and publish it (NodeMetrics)."""
+        for n in self.nodes:
+            self.events.publish(NodeMetrics(n.name, n.status(detail=True)))
 
     def shutdown_nodes(self) -> None:
         """Ask every node to exit (those that do not answer are skipped)."""
@@ -252,4 +280,5 @@ class Cluster:
             n.close()
         for out in self._outs:
             out.close()
-        self.ring_in.close()
+        if self.ring_in is not None:
+            self.ring_in.close()

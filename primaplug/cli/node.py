@@ -1,0 +1,85 @@
+"""`primaplug node`: the daemon that holds windows of a model and serves its place in the ring."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+from primaplug.core.settings import DEFAULT_PORT
+
+DESCRIPTION = f"""\
+Run a node: it holds windows of the models given with -m and serves them to whichever head deploys an assignment.
+
+The node listens for the head on HOST:PORT (control) and for the ring on PORT+1. --listen HOST:0 picks any free
+ports instead (both are printed in the node's "ready" line, which `run --local-nodes` reads). A head may give a node
+a window of 0 layers in some round (or in all of them): the node then relays that round's hidden state to its
+successor unchanged, which lets the ring pass through a device that computes nothing (the link probes use it).
+Off loopback (any address but 127.0.0.1) the node needs --keys: every connection is then encrypted and
+authenticated with CurveZMQ. Default: 127.0.0.1:{DEFAULT_PORT}."""
+
+
+def add_parser(sub: Any) -> None:
+    node = sub.add_parser("node", help="run a node daemon that serves windows of a model to a ring",
+                          description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    node.add_argument("-m", "--model", action="append", required=True,
+                      help="GGUF file this node may load (repeat for several); no other file is ever opened")
+    node.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_PORT}",
+                      help=f"HOST:PORT of the control channel; the ring uses PORT+1; port 0: any free ports "
+                           f"(default 127.0.0.1:{DEFAULT_PORT})")
+    node.add_argument("--name", help="name shown to the head (default: the host name)")
+    node.add_argument("--keys", help="cluster key file (primaplug keygen); required off loopback")
+    node.add_argument("--memory-budget", type=int, metavar="MiB",
+                      help="memory for the windows' weights (default: available memory less KV cache, buffers, 5%%)")
+    node.add_argument("--no-prefetch", action="store_true", help="do not page windows in ahead of compute")
+    node.add_argument("--no-release", action="store_true", help="do not drop a streamed window after it ran")
+    node.add_argument("--no-keep", action="store_true", help="keep no part of streamed layers resident")
+    node.add_argument("--layer-streaming", action="store_true",
+                      help="stream a window that does not fit layer by layer, keeping part of every layer "
+                      "(fewer bytes read, less prefetch ahead; docs/memory.md)")
+    node.add_argument("--cpu-strict", choices=("auto", "0", "1"), default="auto",
+                      help="pin each compute thread to a core of its own (llama.cpp's name): 1 always, 0 never, "
+                      "auto when the threads use every core (default)")
+    node.add_argument("--profile-dir", help="where this device's measured profile is cached "
+                      "(default ~/.cache/primaplug/profiles; give each emulated device its own)")
+    node.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    import platform
+    import signal
+
+    from primaplug.engine import bindings_only
+
+    bindings_only()  # a node never uses llama_cpp.Llama: 4 MiB less of its device's memory (engine/_bindings.py)
+    from primaplug.device import MemorySettings
+    from primaplug.memory.prefetcher import Switches
+    from primaplug.node import Node, NodeSettings
+    from primaplug.transport import ZmqTransport, load_keys, split_address
+
+    if not args.verbose:  # say what the node does (loads, refusals), not each message
+        for name in ("primaplug.node", "primaplug.transport", "primaplug.device"):
+            logging.getLogger(name).setLevel(logging.INFO)
+    host, port = split_address(args.listen)
+    keys = load_keys(args.keys) if args.keys else None
+    memory = MemorySettings(
+        budget_bytes=args.memory_budget << 20 if args.memory_budget is not None else None,
+        switches=Switches(prefetch=not args.no_prefetch, release=not args.no_release, keep=not args.no_keep,
+                          layers=args.layer_streaming))
+    settings = NodeSettings(models=tuple(Path(m) for m in args.model), host=host, port=port,
+                            name=args.name or platform.node(), secure=keys is not None, memory=memory,
+                            profile_dir=Path(args.profile_dir) if args.profile_dir else None,
+                            pin_threads={"auto": None, "0": False, "1": True}[args.cpu_strict])
+    transport = ZmqTransport(keys)
+    try:
+        node = Node(settings, transport)
+        signal.signal(signal.SIGTERM, lambda *_: node.stop())
+        signal.signal(signal.SIGINT, lambda *_: node.stop())
+        ring = node.ring.address
+        ctl_host, _, ctl_port = node.control.address.rpartition(":")
+        print(f"primaplug node {node.name} ready: control {ctl_host}:{ctl_port} ring {ring}", flush=True)
+        node.serve()
+    finally:
+        transport.close()
+    return 0

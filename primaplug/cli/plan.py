@@ -1,0 +1,67 @@
+"""`primaplug plan`: profile every device and print the scheduler's plan with its predicted time per token,
+without deploying."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from primaplug.cli.common import EventLines, model_path, node_addresses, plan_settings, ring_flags
+from primaplug.core import PrimaplugError
+
+
+def add_parser(sub: Any) -> None:
+    plan = sub.add_parser("plan", help="profile the devices and print the scheduler's plan, without deploying")
+    ring_flags(plan, deploys=False)
+    plan.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    if not (args.nodes or args.local_nodes):
+        raise PrimaplugError("plan needs --nodes HOST:PORT,... or --local-nodes N")
+    if args.scheduler == "even":
+        raise PrimaplugError("plan shows what a scheduler chooses: --scheduler even splits by hand, with nothing to "
+                             "plan; use halda, memory or compute")
+    from primaplug.engine import read_layout
+    from primaplug.head import Cluster, ClusterSettings, Events
+    from primaplug.head.planning import measure, plan_cluster
+    from primaplug.transport import ZmqTransport, load_keys
+    from primaplug.wire import ModelIdentity
+
+    path = model_path(args)
+    layout = read_layout(path)
+    layout.check_supported()
+    events = Events()
+    events.subscribe(EventLines())
+    with node_addresses(args, path) as addresses:
+        transport = ZmqTransport(load_keys(args.keys) if args.keys else None)
+        settings = ClusterSettings(nodes=tuple(addresses), n_ctx=args.ctx_size, n_batch=args.batch_size,
+                                   n_ubatch=args.ubatch_size, listen=args.listen, timeout_s=args.timeout)
+        cluster = Cluster(transport, settings, ModelIdentity.of(layout, path.name), events)
+        try:
+            cluster.connect()
+            ps = plan_settings(args)
+            measured = measure(cluster, path, layout, ps)
+            print(profiles_table(measured))
+            print(plan_cluster(cluster, measured, ps).describe())
+        finally:
+            cluster.close()
+            transport.close()
+    return 0
+
+
+def profiles_table(measured: Any) -> str:
+    gb = 1e9
+    lines = [f"model {measured.model.name}: {measured.model.n_layer} layers of "
+             f"{measured.model.layer_bytes / gb:.3f} GB, "
+             f"KV {measured.model.kv_bytes_per_token_layer} B/token/layer for {measured.model.n_kv} tokens",
+             f"links (measured over the ring): {measured.link_latency_s * 1000:.2f} ms, "
+             f"{measured.link_bps * 8 / 1e6:.0f} Mbit/s per hop"]
+    for d in measured.devices:
+        flops = ", ".join(f"{q} {f / 1e9:.0f}" for q, f in d.cpu_flops.items())
+        lines.append(f"  {d.name}: {d.os}/{d.backend}, {d.cpu_count} cores, CPU GFLOP/s {flops}; RAM "
+                     f"{d.mem_available_bytes / gb:.2f} of {d.mem_total_bytes / gb:.2f} GB free, read "
+                     f"{d.cpu_read_bps / gb:.1f} GB/s; disk {d.disk_seq_bps / 1e6:.0f} MB/s seq, "
+                     f"{d.disk_rand_bps / 1e6:.0f} MB/s random" + (f"; VRAM {d.vram_free_bytes / gb:.1f} GB free"
+                                                                  if d.vram_free_bytes else ""))
+    return "\n".join(lines)

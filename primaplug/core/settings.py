@@ -1,0 +1,45 @@
+"""The settings a run shares, and their defaults, defined once.
+
+`primaplug.Llama`, the `run`, `plan` and `serve` commands and the node daemon all take their defaults from here:
+the CLI builds its flags' defaults from `RunSettings()`, and `primaplug.Llama` fills the llama_cpp.Llama arguments a
+caller leaves out from it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# How long a silent node may take before the head (or a node's send to its successor) gives up on it. A node is
+# probed on its control channel after PROBE_AFTER_S of ring silence, so a slow but alive node is not cut off.
+TIMEOUT_S = 5.0
+PROBE_AFTER_S = 0.5
+LOAD_TIMEOUT_S = 600.0  # a node loading (or profiling) its windows from a slow disk
+DEFAULT_PORT = 7000  # a node's control port; its ring listens on the next one
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What the head runs with. Context and batch sizes follow llama.cpp's own tools (`llama-cli`: 4096 tokens of
+    context, batches of 512); `n_ctx` 0 means the model's training context, as in llama_cpp.Llama.
+
+    A default of 4096, not llama_cpp.Llama's 512: a split model exists for long conversations, and a node's KV
+    cache takes memory only as tokens fill it (patch 0007), so a large default costs nothing until it is used.
+    """
+
+    n_ctx: int = 4096
+    n_batch: int = 512  # tokens per batch sent round the ring
+    n_ubatch: int = 512  # tokens per compute step inside llama.cpp
+    n_threads: int = 0  # the head's compute threads; 0: head_threads() decides
+    node_threads: int = 0  # each node's compute threads; 0: all its cores
+    timeout_s: float = TIMEOUT_S
+    listen: str = "127.0.0.1"  # where the head receives the ring's output
+
+
+def head_threads(n_threads: int, has_nodes: bool) -> int:
+    """The head's compute threads. Alone, it uses every core; beside nodes it leaves half the cores to them (on one
+    machine they share the cores; on several, the head also samples and runs the output layer between rounds)."""
+    if n_threads > 0:
+        return n_threads
+    cores = os.cpu_count() or 2
+    return max(1, cores // 2) if has_nodes else cores

@@ -1,0 +1,70 @@
+"""A device's memory plan for its windows: how much their weights may use, whether they stay resident or stream,
+and whether they are repacked. One rule for nodes and the head."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from primaplug.core.budget import MARGIN
+from primaplug.core.windows import LayerRange
+from primaplug.engine import ModelLayout
+from primaplug.memory.policy import PrefetchPlan, plan_prefetch, repack_allowed, repack_note
+from primaplug.memory.prefetcher import Switches
+from primaplug.memory.system import MemoryView, memory_view
+from primaplug.profiler.model import compute_buffer_layers_bytes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    budget_bytes: int | None = None  # for the windows' weights; None: what the OS says is available, less the rest
+    switches: Switches = Switches()
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    prefetch: PrefetchPlan  # whole windows, or layers when per_layer
+    repack: bool  # weights copied out of the mapping for llama.cpp's faster CPU kernels
+    per_layer: bool  # a streaming device going layer by layer (--layer-streaming)
+    reserved_bytes: int  # KV cache and compute buffers, besides the weights
+
+    def describe(self) -> str:
+        return self.prefetch.describe() + repack_note(self.prefetch, self.repack)
+
+
+def reserved_bytes(layout: ModelLayout, windows: list[LayerRange], n_ctx: int, n_batch: int, n_ubatch: int) -> int:
+    """What windows need besides weights: their KV cache and their llama.cpp compute buffers. A window gives its
+    buffer's pages back after a prompt (ContextSettings.release_compute), and the windows run one at a time, so
+    one buffer sized for a micro-batch is resident at most, beside what a one-token decode touches in the others."""
+    kv = sum(layout.kv_bytes_per_token(il) * n_ctx for w in windows for il in range(w.start, w.end))
+    if not windows:
+        return kv
+    one_row = compute_buffer_layers_bytes(layout, n_ctx, 1, 1)
+    return kv + compute_buffer_layers_bytes(layout, n_ctx, n_batch, n_ubatch) + (len(windows) - 1) * one_row
+
+
+def weights_budget(view: MemoryView, reserved: int) -> int:
+    """Available memory, less what is `reserved` besides the windows' weights and a margin: what the windows'
+    weights may use."""
+    return view.available_bytes - reserved - int(MARGIN * view.total_bytes)
+
+
+def plan_memory(layout: ModelLayout, windows: list[LayerRange], *, n_ctx: int, n_batch: int, n_ubatch: int,
+                memory: MemorySettings | None = None, extra_reserved: int = 0,
+                extra_weights: int = 0) -> MemoryPlan:
+    """The plan for a device's windows (the ones with layers). `extra_reserved` is anonymous memory beside theirs
+    (the head's output context's buffer), `extra_weights` mapped weights beside theirs (the head's output layer)."""
+    memory = memory or MemorySettings()
+    view = memory_view()
+    reserved = reserved_bytes(layout, windows, n_ctx, n_batch, n_ubatch) + extra_reserved
+    budget = memory.budget_bytes if memory.budget_bytes is not None else \
+        weights_budget(view, reserved + extra_weights)
+    sw = memory.switches
+    plan = plan_prefetch([layout.window_ranges(r) for r in windows], budget, keep=sw.keep)
+    per_layer = plan.mode == "stream" and sw.layers
+    if per_layer:  # one unit per layer (device/windows.py: PrefetchHooks)
+        plan = plan_prefetch([layout.window_ranges(LayerRange(il, il + 1)) for r in windows
+                              for il in range(r.start, r.end)], budget, keep=sw.keep, unit="layer")
+    return MemoryPlan(plan, repack_allowed(plan, reserved, view.total_bytes), per_layer, reserved)

@@ -1,0 +1,159 @@
+"""A device's windows, one per round of the ring, with the prefetch hooks round each computation."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+
+from primaplug.core.windows import LayerRange
+from primaplug.device.memory import MemoryPlan, MemorySettings, plan_memory
+from primaplug.engine import ContextSettings, Model, ModelLayout, Window, one_per_context
+from primaplug.memory.prefetcher import Prefetcher
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[float, str], None]  # (fraction done, what the device is doing)
+
+
+class PrefetchHooks:
+    """Where each round's window sits in the device's prefetch plan, and the events that drive the plan.
+
+    A device whose windows fit, or that streams whole windows (the default), has one unit per window: prefetched
+    before it runs, released after. With --layer-streaming a streaming device goes layer by layer: one unit per
+    layer, the window telling which layer it computes (engine/progress.py), so that each layer's streamed weights go
+    as soon as it is done and the next layer's come in while it computes. Memory then never holds more than the
+    plan says, which lets the kept part of every layer stay resident; streaming whole windows could keep nothing of
+    a window larger than the budget (the kernel evicted kept pages along with the streamed ones, docs/memory.md).
+    """
+
+    def __init__(self, ranges: Sequence[LayerRange], *, per_layer: bool) -> None:
+        self.per_layer = per_layer
+        self.first: dict[int, int] = {}  # round -> index of its window's first unit
+        self.prefetcher: Prefetcher | None = None
+        self._current: int | None = None
+        n = 0
+        for r, window in enumerate(ranges):
+            if window.n_layers:
+                self.first[r] = n
+                n += window.n_layers if per_layer else 1
+
+    def on_layer(self, round_: int, window: LayerRange) -> Callable[[int], None] | None:
+        """The window's on_layer callback (layer by layer only)."""
+        if not self.per_layer or not window.n_layers:
+            return None
+        return lambda il: self._layer(self.first[round_] + il - window.start)
+
+    def started(self, round_: int) -> None:
+        """The round's window is about to compute (whole windows; layer by layer, the window says when)."""
+        if self.prefetcher is not None and not self.per_layer and round_ in self.first:
+            self.prefetcher.window_started(self.first[round_])
+
+    def _layer(self, unit: int) -> None:  # from the computing thread
+        p = self.prefetcher
+        if p is None or unit == self._current:
+            return
+        if self._current is not None:
+            p.window_done(self._current, last_of_token=False)
+        p.window_started(unit)  # asks for the next layer's prefetch
+        self._current = unit
+
+    def done(self, round_: int) -> None:
+        """The round's output has gone on: its last unit is done."""
+        p = self.prefetcher
+        if p is None or round_ not in self.first:
+            return
+        last_round = round_ == max(self.first)
+        if not self.per_layer:
+            p.window_done(self.first[round_], last_of_token=last_round)
+        elif self._current is not None:
+            p.window_done(self._current, last_of_token=last_round)
+            self._current = None
+
+
+class DeviceWindows:
+    """A device's windows of one model, one per round (None in a round where the device runs no layer), on one
+    mapping of the file, with their memory plan and prefetcher. Nodes and the head both run their layers here."""
+
+    def __init__(self, model: Model, windows: list[Window | None], plan: MemoryPlan, hooks: PrefetchHooks,
+                 prefetcher: Prefetcher | None) -> None:
+        self.model, self.windows, self.plan, self.hooks = model, windows, plan, hooks
+        self.prefetcher = prefetcher
+        self.ranges = [w.layers if w is not None else LayerRange(0, 0) for w in windows]
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], layout: ModelLayout, ranges: Sequence[LayerRange], *,
+             context: ContextSettings, memory: MemorySettings | None = None, output: bool = False,
+             gpu_layers: Sequence[int] = (), extra_reserved: int = 0, extra_weights: int = 0,
+             progress: Progress = lambda _f, _w: None) -> DeviceWindows:
+        """Plan memory for the windows of `ranges` (one per round; empty ones relay), map the model and open them.
+        `output`: this device also runs the output layer (the head)."""
+        ranges, memory = list(ranges), memory or MemorySettings()
+        used = [r for r in ranges if r.n_layers]
+        plan = plan_memory(layout, used, n_ctx=context.n_ctx, n_batch=context.n_batch, n_ubatch=context.n_ubatch,
+                           memory=memory, extra_reserved=extra_reserved, extra_weights=extra_weights)
+        names = ", ".join(map(str, used)) or "(relay only)"
+        progress(0.05, f"mapping {os.path.basename(os.fspath(path))} for windows {names}; {plan.describe()}")
+        if plan.prefetch.mode == "stream":
+            log.info("windows %s do not fit in memory: %s", names, plan.describe())
+        model = Model(path, used, output=output, gpu_layers=gpu_layers, repack=plan.repack, layout=layout)
+        hooks = PrefetchHooks(ranges, per_layer=plan.per_layer)
+        try:
+            if used:
+                shared = len(used) > 1 and model.can_share_context
+                progress(0.1, f"creating windows {names}{' on one shared context' if shared else ''}")
+            windows = model.round_windows(ranges, settings=context,
+                                          on_layer=[hooks.on_layer(i, r) for i, r in enumerate(ranges)])
+            model.pause_threads()  # asleep until work comes (awake())
+            prefetcher = Prefetcher(os.fspath(path), plan.prefetch, memory.switches) if used else None
+        except BaseException:
+            model.close()
+            raise
+        hooks.prefetcher = prefetcher
+        return cls(model, windows, plan, hooks, prefetcher)
+
+    def window(self, round_: int) -> Window | None:
+        return self.windows[round_] if round_ < len(self.windows) else None
+
+    @contextlib.contextmanager
+    def awake(self) -> Iterator[None]:
+        """The compute threads woken now, ahead of the work (their wake-up overlaps what the caller does before it),
+        and put to sleep after: the next device computes then, and must not find its cores spinning."""
+        self.model.resume_threads()
+        try:
+            yield
+        finally:
+            self.model.pause_threads()
+
+    def compute(self, round_: int, inputs: np.ndarray, pos0: int, *, seq_id: int = 0) -> np.ndarray:
+        """Run round `round_`'s window (which must exist) over token ids or hidden rows; call done() once its
+        output has gone on."""
+        window = self.windows[round_]
+        assert window is not None, f"round {round_} has no window on this device"
+        self.hooks.started(round_)
+        return window.forward(inputs, pos0, seq_id=seq_id)
+
+    def done(self, round_: int) -> None:
+        self.hooks.done(round_)
+
+    def kv_clear(self) -> None:
+        for w in one_per_context(self.windows):  # windows on a shared context share its KV cache
+            w.kv_clear()
+
+    def kv_remove(self, seq_id: int, p0: int, p1: int = -1) -> None:
+        for w in one_per_context(self.windows):
+            w.kv_remove(seq_id, p0, p1)
+
+    def kv_pos_max(self, seq_id: int = 0) -> int:
+        """The last position the device's caches hold (-1: none)."""
+        return max((w.kv_pos_max(seq_id) for w in one_per_context(self.windows)), default=-1)
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.prefetcher = None
+        self.model.close()
+

@@ -1,0 +1,174 @@
+"""What the head publishes while it works: typed events, and the snapshot of the cluster they add up to.
+
+The cluster (connecting, profiling, loading), the planner and each request's session publish events on one
+`Events` bus; whoever shows them (the CLI's lines and bars, the dashboard) subscribes, and nothing in the head
+prints. `Events.view` is the latest `ClusterView`, made by applying each event in turn (`apply`, a pure function).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from primaplug.core.windows import LayerRange
+from primaplug.wire import Status
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeProgress:
+    """A node's state changed, or it made progress: connecting, profiling itself, loading its windows."""
+
+    node: str
+    state: str  # "connected", "profiling", "loading", "ready", "failed", "left"
+    progress: float = 0.0  # 0 to 1, within the state
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A step of the head's own work worth telling (planning, profiling the head, measuring links)."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The scheduler made a plan (described in words: windows per device, predicted time per token)."""
+
+    description: str
+
+
+@dataclass(frozen=True)
+class Deployed:
+    """Every node has loaded its windows; the ring is ready."""
+
+    nodes: tuple[tuple[str, tuple[LayerRange, ...]], ...]  # (node, its window per round), in ring order
+    head: tuple[LayerRange, ...]  # the head's windows per round (empty ranges: only the output layer)
+    seconds: float
+
+
+@dataclass(frozen=True)
+class BatchDone:
+    """One batch went round the ring (a prompt's batch, or one decoded token)."""
+
+    step: int
+    pos0: int
+    n_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class SessionChanged:
+    """The session's prefix changed other than by a batch: rewound, cleared, replayed, or lost in a failure."""
+
+    what: str  # "rewind", "clear", "replay", "failed"
+    n_past: int  # positions the ring's caches hold after it
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class NodeMetrics:
+    """A node's detailed status (memory mode, prefetch, faults, pressure), as it answered GetStatus."""
+
+    node: str
+    status: Status
+
+
+Event = NodeProgress | Notice | Planned | Deployed | BatchDone | SessionChanged | NodeMetrics
+
+
+@dataclass(frozen=True)
+class NodeView:
+    state: str = "connected"
+    progress: float = 0.0
+    message: str = ""
+    windows: tuple[LayerRange, ...] = ()
+    metrics: Status | None = None
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """The cluster as the head last heard of it: an immutable snapshot."""
+
+    nodes: dict[str, NodeView] = field(default_factory=dict)
+    plan: str = ""
+    head_windows: tuple[LayerRange, ...] = ()
+    deployed: bool = False
+    n_past: int = 0  # positions the ring's caches hold
+    prompt_tokens: int = 0  # tokens evaluated in batches of more than one
+    prompt_s: float = 0.0
+    decoded_tokens: int = 0  # tokens evaluated one at a time
+    decode_s: float = 0.0
+    notice: str = ""
+
+    @property
+    def tpot_s(self) -> float:
+        return self.decode_s / self.decoded_tokens if self.decoded_tokens else 0.0
+
+
+def apply(view: ClusterView, event: Event) -> ClusterView:
+    """The view after one event."""
+    match event:
+        case NodeProgress(node=node):
+            old = view.nodes.get(node, NodeView())
+            new = replace(old, state=event.state, progress=event.progress, message=event.message)
+            return replace(view, nodes={**view.nodes, node: new})
+        case NodeMetrics(node=node):
+            old = view.nodes.get(node, NodeView())
+            return replace(view, nodes={**view.nodes, node: replace(old, metrics=event.status)})
+        case Notice():
+            return replace(view, notice=event.message)
+        case Planned():
+            return replace(view, plan=event.description)
+        case Deployed():
+            nodes = dict(view.nodes)
+            for name, windows in event.nodes:
+                nodes[name] = replace(nodes.get(name, NodeView()), state="ready", progress=1.0, windows=windows)
+            return replace(view, nodes=nodes, head_windows=event.head, deployed=True)
+        case BatchDone():
+            n_past = event.pos0 + event.n_tokens
+            if event.n_tokens > 1:
+                return replace(view, n_past=n_past, prompt_tokens=view.prompt_tokens + event.n_tokens,
+                               prompt_s=view.prompt_s + event.seconds)
+            return replace(view, n_past=n_past, decoded_tokens=view.decoded_tokens + 1,
+                           decode_s=view.decode_s + event.seconds)
+        case SessionChanged():
+            return replace(view, n_past=event.n_past)
+    return view
+
+
+Subscriber = Callable[[Event], None]
+
+
+class Events:
+    """The head's event bus: publish() calls every subscriber, in the publishing thread, and updates `view`."""
+
+    def __init__(self) -> None:
+        self._subscribers: list[Subscriber] = []
+        self._lock = threading.Lock()
+        self.view = ClusterView()
+
+    def subscribe(self, subscriber: Subscriber) -> Callable[[], None]:
+        """Call `subscriber` with every event from now on; returns the function that stops it."""
+        with self._lock:
+            self._subscribers.append(subscriber)
+        return lambda: self._unsubscribe(subscriber)
+
+    def _unsubscribe(self, subscriber: Subscriber) -> None:
+        with self._lock:
+            if subscriber in self._subscribers:
+                self._subscribers.remove(subscriber)
+
+    def publish(self, event: Event) -> None:
+        with self._lock:
+            self.view = apply(self.view, event)
+            subscribers = list(self._subscribers)
+        for s in subscribers:
+            try:
+                s(event)
+            except Exception:  # a subscriber's bug must not stop the ring
+                log.exception("an event subscriber failed on %s", type(event).__name__)

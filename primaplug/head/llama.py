@@ -1,0 +1,169 @@
+"""primaplug.Llama: a llama_cpp.Llama whose layers run on a ring of primaplug nodes.
+
+    import primaplug
+    llm = primaplug.Llama("gemma-3-270m.gguf", nodes=["127.0.0.1:7000", "127.0.0.1:7010"], n_ctx=2048)
+    print(llm("The capital of France is", max_tokens=16)["choices"][0]["text"])
+
+It composes the head: a transport, the cluster (connects, plans, deploys), the head's own windows (on the device
+layer, as a node runs its own), the ring, the session that owns the conversation, and llama-cpp-python's front
+(engine/ring_llama.py). Without nodes, the head runs every window itself: the same path, with no network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from primaplug.core.errors import ConfigError
+from primaplug.core.settings import RunSettings, head_threads
+from primaplug.device import DeviceWindows, MemorySettings
+from primaplug.engine import BUSY_POLL, ContextSettings, read_layout
+from primaplug.engine.ring_llama import RingLlama
+from primaplug.head.cluster import Cluster, ClusterSettings, Route
+from primaplug.head.events import Events
+from primaplug.head.planning import PlanSettings, measure, plan_cluster
+from primaplug.head.session import Session
+from primaplug.profiler import compute_buffer_output_bytes
+from primaplug.scheduler import SCHEDULERS, Plan
+from primaplug.transport import Transport, ZmqTransport, load_keys
+from primaplug.wire import ModelIdentity
+
+log = logging.getLogger(__name__)
+_RUN = RunSettings()
+
+
+class Llama(RingLlama):
+    """Behaves as llama_cpp.Llama; the model's layers run on `nodes` (HOST:PORT of `primaplug node`s).
+
+    Args:
+        model_path: the GGUF file; every node must hold the same file (checked by hash).
+        nodes: the nodes' control addresses, in ring order. None or empty: the head runs every layer itself.
+        layers: layers per round for each node, then optionally for the head: a manual split (no planning).
+            Without nodes: the sizes of the windows the head chains (a split in one process).
+        scheduler: with nodes and without layers, how the windows are chosen: "halda" (default: profile every
+            device, measure the links, solve prima.cpp's scheduler, drop nodes that would slow the ring), the
+            baselines "memory" (exo's rule) or "compute" (Galaxy's), or "even" (split evenly, nothing measured).
+        rounds: how many times a token goes round the ring (each device runs one window per round); None: the
+            scheduler's choice (Halda picks k), or 1 for a manual or even split.
+        plan_settings: finer planning settings (latency model, slow-disk threshold, re-measuring).
+        keys: the cluster key file (`primaplug keygen`); required when any node is off this machine.
+        listen: the address the head receives the ring's output on.
+        timeout_s: how long a silent node may take before generation stops with an error naming it.
+        node_threads: compute threads on each node (0: all its cores).
+        node_gpu_layers: layers of each node window that run on the node's GPU, one number for every node or
+            one per node; with a split by hand only (layers, or "even").
+        memory_budget: bytes the head's own windows' weights may use (default: what this device has available,
+            less KV cache, buffers, the output layer and 5%); windows that do not fit are streamed, as on a node.
+            A planning scheduler sees it as the head's available memory (PlanSettings.head_memory_bytes), so the
+            plan puts on the nodes what the head does not hold.
+        events: where the cluster and the session publish what they do (head/events.py); `llm.events.view` is the
+            cluster's latest snapshot either way.
+        transport: the transport to reach the nodes over (default: ZeroMQ, with `keys`); the caller keeps
+            ownership of one it passes.
+        route: maps (the sending node's address or "head", endpoint) to the endpoint it connects to instead (an
+            emulated link in between).
+        **kwargs: llama_cpp.Llama's own arguments (n_ctx, n_batch, n_ubatch, n_threads, seed, chat_format, ...);
+            n_ctx, n_batch and n_ubatch default to primaplug's RunSettings (4096, 512, 512).
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        nodes: Sequence[str] | None = None,
+        layers: Sequence[int] | None = None,
+        scheduler: str = "halda",
+        rounds: int | None = None,
+        plan_settings: PlanSettings | None = None,
+        keys: str | os.PathLike[str] | None = None,
+        listen: str = _RUN.listen,
+        timeout_s: float = _RUN.timeout_s,
+        node_threads: int = _RUN.node_threads,
+        node_gpu_layers: int | Sequence[int] = 0,
+        memory_budget: int | None = None,
+        events: Events | None = None,
+        transport: Transport | None = None,
+        route: Route | None = None,
+        **kwargs: Any,
+    ) -> None:
+        nodes = tuple(nodes or ())
+        if scheduler not in (*SCHEDULERS, "even"):
+            raise ConfigError(f"unknown scheduler {scheduler!r}: choose halda, memory, compute or even")
+        planned = bool(nodes) and layers is None and scheduler != "even"
+        gpu = tuple(node_gpu_layers) if isinstance(node_gpu_layers, Sequence) else (node_gpu_layers,) * len(nodes)
+        if len(gpu) != len(nodes) or min(gpu, default=0) < 0:
+            raise ConfigError(f"node_gpu_layers needs one count (0 or more) per node ({len(nodes)}), or one for "
+                              f"every node; got {list(gpu)}")
+        if planned and any(gpu):
+            raise ConfigError(f"node_gpu_layers (-ngl) is for a split by hand (layers / --layers, or scheduler "
+                              f"'even'): the {scheduler} scheduler picks each device's GPU layers from its profile")
+        path = Path(model_path)
+        layout = read_layout(path)
+        layout.check_supported()
+        for name in ("n_ctx", "n_batch", "n_ubatch"):
+            kwargs.setdefault(name, getattr(_RUN, name))
+        n_ctx = kwargs["n_ctx"] or layout.n_ctx_train
+        n_batch = kwargs["n_batch"] = min(n_ctx, kwargs["n_batch"])
+        n_ubatch = kwargs["n_ubatch"] = min(n_batch, kwargs["n_ubatch"])
+        kwargs["n_threads"] = threads = head_threads(kwargs.get("n_threads") or 0, bool(nodes))
+        self.events = events or Events()
+        self._owns_transport = transport is None
+        self._transport: Transport | None = transport or ZmqTransport(load_keys(keys) if keys else None)
+        settings = ClusterSettings(nodes=nodes, layers=tuple(layers) if layers else None, rounds=rounds or 1,
+                                   n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=node_threads,
+                                   listen=listen, timeout_s=timeout_s, route=route, gpu_layers=gpu)
+        self._cluster: Cluster | None = None
+        self._device: DeviceWindows | None = None
+        self.plan: Plan | None = None  # the scheduler's plan, when one was made
+        try:
+            self._cluster = cluster = Cluster(self._transport, settings, ModelIdentity.of(layout, path.name),
+                                              self.events)
+            cluster.connect()
+            if planned:
+                ps = dataclasses.replace(plan_settings or PlanSettings(), scheduler=scheduler, rounds=rounds)
+                if memory_budget is not None and ps.head_memory_bytes is None:
+                    ps = dataclasses.replace(ps, head_memory_bytes=memory_budget)
+                self.plan = plan_cluster(cluster, measure(cluster, path, layout, ps), ps)
+                log.info("%s", self.plan.describe())
+            else:
+                cluster.plan()
+            # the head's windows live on the device layer, as a node's do: same memory plan, same prefetch hooks
+            context = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
+                                      poll=BUSY_POLL)
+            self._device = DeviceWindows.load(
+                path, layout, cluster.head_ranges, context=context, memory=MemorySettings(budget_bytes=memory_budget),
+                output=True, extra_reserved=compute_buffer_output_bytes(layout, n_ctx, n_batch, n_ubatch),
+                extra_weights=layout.output_bytes)
+            cluster.deploy()
+            self.session = Session(cluster.ring(self._device), n_batch=n_batch, events=self.events)
+            super().__init__(self._device.model, self.session, **kwargs)
+        except BaseException:
+            self._close_ring()
+            raise
+
+    @property
+    def cluster(self) -> Cluster:
+        assert self._cluster is not None, "this Llama is closed"
+        return self._cluster
+
+    def _close_ring(self) -> None:
+        if getattr(self, "_device", None) is not None:
+            self._device.close()  # type: ignore[union-attr]
+            self._device = None
+        if getattr(self, "_cluster", None) is not None:
+            self._cluster.close()  # type: ignore[union-attr]
+            self._cluster = None
+        if getattr(self, "_transport", None) is not None:
+            if self._owns_transport:
+                self._transport.close()  # type: ignore[union-attr]
+            self._transport = None
+
+    def close(self) -> None:
+        """Disconnect from the nodes (they keep running, ready for another head) and free the head's model."""
+        if getattr(self, "_stack", None) is not None:
+            super().close()
+        self._close_ring()

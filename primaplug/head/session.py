@@ -1,0 +1,130 @@
+"""A session: the one place that owns a conversation on the ring.
+
+It holds the prefix (the tokens whose keys and values the ring's caches hold, position by position), numbers the
+steps it sends round the ring, applies the failure policy, and publishes what it does. llama-cpp-python's prefix
+reuse, speculative decoding's rollback and recovery onto a new ring all go through it:
+
+- eval(tokens, pos0): rewinds to pos0 first when the prefix is longer, then sends the tokens in batches of n_batch;
+- rewind(pos): forget positions pos and after, on every device;
+- replay(ring): rebuild the prefix on another ring (a new assignment), then carry on there.
+
+Failure policy: when a batch or a KV operation fails, the ring's caches are in an unknown state. The error goes
+to the caller; the prefix up to the last batch that completed is kept, and the next call first clears the ring
+and replays that prefix onto it, so the conversation goes on where it was if the ring works again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from primaplug.core.errors import PrimaplugError
+from primaplug.head.events import BatchDone, Events, SessionChanged
+from primaplug.head.ring import RingHead
+
+log = logging.getLogger(__name__)
+
+# output(hidden rows after the last layer, position of the first row): what the caller does with a batch's result
+Output = Callable[[np.ndarray, int], None]
+
+
+class Session:
+    def __init__(self, ring: RingHead, *, n_batch: int, events: Events | None = None, seq_id: int = 0) -> None:
+        if n_batch < 1:
+            raise PrimaplugError(f"n_batch must be at least 1, got {n_batch}")
+        self.ring = ring
+        self.n_batch = n_batch
+        self.events = events or Events()
+        self.seq_id = seq_id
+        self.prefix: list[int] = []
+        self._steps = itertools.count(1)
+        self._stale = False  # a failure left the ring's caches unknown: clear and replay before going on
+
+    @property
+    def n_past(self) -> int:
+        """Positions the ring's caches hold for this session."""
+        return len(self.prefix)
+
+    @property
+    def epoch(self) -> int:
+        """The assignment the session's ring runs."""
+        return self.ring.epoch
+
+    def eval(self, tokens: Sequence[int], pos0: int, *, all_rows: bool = False, output: Output | None = None) -> None:
+        """Evaluate `tokens` at positions pos0, pos0 + 1, ...: the prefix is rewound to pos0 first (a conversation
+        that goes another way from there), which must not lie past its end. `output` gets each batch's hidden
+        states after the last layer: every row with all_rows, else the batch's last row."""
+        if pos0 > len(self.prefix):
+            raise PrimaplugError(f"cannot evaluate from position {pos0}: the ring holds {len(self.prefix)} positions")
+        self._recover()
+        self.rewind(pos0)
+        for i in range(0, len(tokens), self.n_batch):
+            batch = [int(t) for t in tokens[i : i + self.n_batch]]
+            p = pos0 + i
+            step = next(self._steps)
+            t0 = time.perf_counter()
+            try:
+                hidden = self.ring.forward(batch, p, step, seq_id=self.seq_id, all_rows=all_rows)
+            except BaseException as e:
+                self._failed(f"step {step} ({len(batch)} token(s) at position {p}): {e}")
+                raise
+            self.prefix.extend(batch)
+            self.events.publish(BatchDone(step, p, len(batch), time.perf_counter() - t0))
+            if output is not None:
+                output(hidden, p + len(batch) - len(hidden))
+
+    def rewind(self, pos: int) -> None:
+        """Forget positions pos, pos + 1, ... on every device (nothing to do when the prefix ends before pos)."""
+        if pos < 0:
+            raise PrimaplugError(f"cannot rewind to position {pos}")
+        self._recover()
+        if pos >= len(self.prefix):
+            return
+        try:
+            self.ring.kv_remove(next(self._steps), self.seq_id, pos)
+        except BaseException as e:
+            self._failed(f"rewinding to position {pos}: {e}")
+            raise
+        del self.prefix[pos:]
+        self.events.publish(SessionChanged("rewind", pos))
+
+    def clear(self) -> None:
+        """Forget everything, on every device."""
+        try:
+            self.ring.kv_clear(next(self._steps))
+        except BaseException as e:
+            self._failed(f"clearing the caches: {e}")
+            raise
+        self.prefix.clear()
+        self._stale = False
+        self.events.publish(SessionChanged("clear", 0))
+
+    def replay(self, ring: RingHead | None = None) -> None:
+        """Rebuild the prefix's keys and values on `ring` (default: the session's own ring, after a failure) and go
+        on there: the new ring's caches are cleared, then the prefix goes round it in batches."""
+        if ring is not None:
+            self.ring = ring
+        prefix, t0 = list(self.prefix), time.perf_counter()
+        try:
+            self.clear()
+            self.eval(prefix, 0)
+        except BaseException:
+            self.prefix, self._stale = prefix, True  # still to rebuild: the next call tries again
+            raise
+        self.events.publish(SessionChanged("replay", len(self.prefix),
+                                           f"{len(prefix)} tokens in {time.perf_counter() - t0:.2f} s"))
+
+    def _failed(self, what: str) -> None:
+        self._stale = True
+        log.warning("the ring failed at %s; the next request first replays the %d positions before it", what,
+                    len(self.prefix))
+        self.events.publish(SessionChanged("failed", len(self.prefix), what))
+
+    def _recover(self) -> None:
+        if self._stale:
+            log.info("replaying %d positions onto the ring after a failure", len(self.prefix))
+            self.replay()

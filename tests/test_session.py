@@ -1,0 +1,221 @@
+"""The head's session, on node daemons in threads over the in-process transport: rewind, replay onto a new ring,
+the failure policy under dropped, corrupted and lost messages, and conversations that go back and forth, all
+checked against plain llama-cpp-python on the whole model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import synthetic_path
+from tests.inproc_nodes import InprocNodes
+from tests.ring_helpers import LLAMA_KWARGS
+
+KWARGS = dict(LLAMA_KWARGS, n_threads=1)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir: Path) -> Path:
+    return synthetic_path(model_dir, "qwen3", 9, "Q4_K_M")
+
+
+@pytest.fixture(scope="module")
+def plain(model: Path):
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(model), **KWARGS)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture
+def nodes(model: Path):
+    with InprocNodes([model], 4) as nodes:
+        yield nodes
+
+
+def _ring(model: Path, nodes: InprocNodes, n_nodes: int = 2, **kwargs):
+    import primaplug
+
+    args = dict(KWARGS, nodes=nodes.addresses[:n_nodes], scheduler="even", transport=nodes.head_transport(),
+                node_threads=1, timeout_s=1.0)
+    return primaplug.Llama(model, **{**args, **kwargs})
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 500, size=n)]
+
+
+def _plain_row(plain, *calls: list[int]) -> np.ndarray:
+    """The last logits of plain llama-cpp-python after evaluating `calls` one after the other: in the same calls as
+    the ring, since llama.cpp's kernels round a batch of rows differently from one row at a time."""
+    plain.reset()
+    for tokens in calls:
+        plain.eval(tokens)
+    return np.array(plain.scores[plain.n_tokens - 1])
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> None:
+    assert np.abs(a - b).max() <= 1e-3 * np.abs(b).max(), "logits differ from plain llama-cpp-python"
+
+
+def _positions(nodes: InprocNodes, i: int) -> int:
+    """How many positions node i's caches hold."""
+    return nodes.nodes[i]._deployment.device.kv_pos_max() + 1
+
+
+def test_rewind_forgets_on_every_device(model: Path, nodes: InprocNodes, plain) -> None:
+    prompt = _prompt(40)
+    llm = _ring(model, nodes)
+    try:
+        llm.eval(prompt + [7, 8, 9])
+        assert [_positions(nodes, i) for i in (0, 1)] == [43, 43]
+        llm.session.rewind(41)
+        assert [_positions(nodes, i) for i in (0, 1)] == [41, 41] and llm.session.n_past == 41
+        llm.n_tokens = 41
+        llm.eval([11])
+        plain.reset()
+        plain.eval([*prompt, 7, 8, 9])
+        plain.n_tokens = 41  # plain llama-cpp-python's own rewind: its eval removes positions 41 and after
+        plain.eval([11])
+        _close(llm.scores[41], np.array(plain.scores[41]))
+        with pytest.raises(Exception, match="the ring holds 42 positions"):
+            llm.session.eval([1], 50)
+    finally:
+        llm.close()
+
+
+def test_replay_rebuilds_the_prefix_on_a_new_ring(model: Path, nodes: InprocNodes, plain) -> None:
+    from primaplug.head import Cluster, ClusterSettings
+    from primaplug.head.events import SessionChanged
+
+    prompt = _prompt(70, seed=1)
+    llm = _ring(model, nodes, layers=[4, 5])
+    seen: list[SessionChanged] = []
+    llm.events.subscribe(lambda e: seen.append(e) if isinstance(e, SessionChanged) else None)
+    transport = nodes.head_transport()
+    settings = ClusterSettings(nodes=tuple(nodes.addresses[2:]), layers=(6, 3), n_ctx=KWARGS["n_ctx"],
+                               n_batch=KWARGS["n_batch"], n_ubatch=KWARGS["n_ubatch"], n_threads=1, timeout_s=1.0)
+    other = Cluster(transport, settings, llm.cluster.model, llm.events)
+    try:
+        llm.eval(prompt)
+        other.connect()
+        other.plan()
+        other.deploy()
+        llm.session.replay(other.ring(None))
+        assert [_positions(nodes, i) for i in (2, 3)] == [70, 70]  # the new ring holds the prefix
+        llm.eval([5])  # and goes on from it, on the new split
+        assert [_positions(nodes, i) for i in (2, 3)] == [71, 71] and _positions(nodes, 0) == 70
+        _close(llm.scores[70], _plain_row(plain, prompt, [5]))
+        assert [e.what for e in seen][-2:] == ["clear", "replay"] and seen[-1].n_past == 70
+    finally:
+        other.close()
+        llm.close()
+
+
+@pytest.mark.parametrize("fault", ["drop", "corrupt"])
+def test_a_failed_batch_is_an_error_and_the_next_request_replays(model: Path, nodes: InprocNodes, plain,
+                                                                 fault: str) -> None:
+    from primaplug.core.errors import NodeError
+
+    prompt = _prompt(30, seed=2)
+    llm = _ring(model, nodes)
+    try:
+        llm.eval(prompt)
+        if fault == "drop":
+            nodes.faults.drop_ring()  # the next ring message a node sends is lost
+            expect = "every node is alive and idle"
+        else:
+            nodes.faults.corrupt_ring()  # its rows arrive a byte short
+            expect = "buffer holds"
+        with pytest.raises(NodeError, match=expect):
+            llm.eval([3])
+        assert any(line.startswith(f"{fault} ring") for line in nodes.faults.log), nodes.faults.log
+        assert llm.n_tokens == 30  # llama-cpp-python's view is untouched: it asks again from position 30
+        llm.eval([3])
+        _close(llm.scores[30], _plain_row(plain, prompt, [3]))
+        assert [_positions(nodes, i) for i in (0, 1)] == [31, 31]
+    finally:
+        llm.close()
+
+
+def test_a_dead_node_is_named_within_the_timeout(model: Path, nodes: InprocNodes) -> None:
+    from primaplug.core.errors import NodeUnavailableError
+
+    llm = _ring(model, nodes)
+    try:
+        llm.eval(_prompt(5))
+        nodes.kill(1)
+        with pytest.raises(NodeUnavailableError, match="node2 .*stopped answering for 1.0 s") as e:
+            llm.eval([3])
+        assert e.value.node == "node2"
+    finally:
+        llm.close()
+
+
+def test_conversations_that_extend_diverge_and_repeat(model: Path, nodes: InprocNodes) -> None:
+    """llama-cpp-python's prefix reuse over the ring, with batches smaller than the prompts: the same tokens as a
+    plain llama_cpp.Llama that goes through the same requests."""
+    import llama_cpp
+
+    kwargs = dict(KWARGS, logits_all=False, n_batch=16, n_ubatch=8)
+    a, b, c = _prompt(20, 3), _prompt(25, 4), _prompt(3, 5)
+    requests = [a, a + b, a + c, a, a + b[:10] + c, c, b]
+    llm = _ring(model, nodes, **kwargs)
+    ref = llama_cpp.Llama(str(model), **kwargs)
+    try:
+        for prompt in requests:
+            got = llm.create_completion(prompt, max_tokens=4, temperature=0)["choices"][0]["text"]
+            want = ref.create_completion(prompt, max_tokens=4, temperature=0)["choices"][0]["text"]
+            assert got == want, f"prompt of {len(prompt)} tokens"
+    finally:
+        ref.close()
+        llm.close()
+
+
+def test_the_head_alone_runs_the_same_path(model: Path) -> None:
+    """No nodes: the head chains the windows itself, through the same Llama, session and ring code."""
+    import llama_cpp
+
+    import primaplug
+
+    kwargs = dict(KWARGS, logits_all=False, n_batch=16)
+    prompt = _prompt(40, 6)
+    ref = llama_cpp.Llama(str(model), **kwargs)
+    llm = primaplug.Llama(model, layers=[2, 3, 4], **kwargs)
+    try:
+        assert [str(w.layers) for w in llm.session.ring.local.windows] == ["[0, 2)", "[2, 5)", "[5, 9)"]
+        got = llm.create_completion(prompt, max_tokens=6, temperature=0)["choices"][0]["text"]
+        assert got == ref.create_completion(prompt, max_tokens=6, temperature=0)["choices"][0]["text"]
+    finally:
+        ref.close()
+        llm.close()
+
+
+def test_the_head_streams_its_own_windows_as_a_node_does(model_dir: Path) -> None:
+    """A memory budget smaller than the head's windows: they stream (prefetched, released) on the device layer,
+    as a node's do. F32 weights, which llama.cpp never repacks, so the tokens must be plain llama's to the bit."""
+    import llama_cpp
+
+    import primaplug
+    from primaplug.engine.synthetic import SyntheticSpec, write_synthetic_gguf
+
+    path = model_dir / "llama-6L-F32-head-stream.gguf"
+    if not path.exists():
+        write_synthetic_gguf(path, SyntheticSpec(arch="llama", n_layer=6, n_embd=256, n_ff=512, n_head=4,
+                                                 n_head_kv=2, seed=6))
+    kwargs = dict(KWARGS, logits_all=False)
+    prompt = _prompt(20, 7)
+    ref = llama_cpp.Llama(str(path), **kwargs)
+    llm = primaplug.Llama(path, layers=[3, 3], memory_budget=1 << 20, **kwargs)
+    try:
+        device = llm.session.ring.local
+        assert device.plan.prefetch.mode == "stream" and device.prefetcher is not None
+        got = llm.create_completion(prompt, max_tokens=6, temperature=0)["choices"][0]["text"]
+        assert got == ref.create_completion(prompt, max_tokens=6, temperature=0)["choices"][0]["text"]
+        assert device.prefetcher.wait_idle(5) and device.prefetcher.stats.bytes_released > 0
+    finally:
+        ref.close()
+        llm.close()
