@@ -107,7 +107,7 @@ def proportional(weights: list[float], total: int) -> list[int]:
 
 
 def model_file(size: str, layers: int) -> Path:
-    from primaplug.cli import _byte_size
+    from primaplug.cli.synth import byte_size as _byte_size
     from primaplug.engine.synthetic import write_sized_model
 
     path = CACHE / f"llama-{layers}L-{size}-Q4_K_M.gguf"

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from primaplug.cli import default_model
+from primaplug.cli.common import default_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

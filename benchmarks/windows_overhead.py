@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from primaplug.cli import default_model
+from primaplug.cli.common import default_model
 from primaplug.core import LayerRange, even_split, execution_order, ring_windows
 from primaplug.engine import ContextSettings, Model, WindowChain, read_layout
 from primaplug.engine.reference import plain_llama_forward

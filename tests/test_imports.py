@@ -86,3 +86,11 @@ def test_importing_a_node_loads_no_ui_or_solver() -> None:
 def test_importing_primaplug_loads_nothing_native() -> None:
     code = "import sys, primaplug; bad = {'llama_cpp', 'zmq'} & set(sys.modules); assert not bad, bad"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_heads_logic_loads_no_engine_or_zeromq() -> None:
+    """The session, the events and the cluster can be used (and unit-tested) without llama.cpp or ZeroMQ: they load
+    when a model's windows or a ZeroMQ transport are made."""
+    code = ("import sys, primaplug.head, primaplug.head.session, primaplug.head.events, primaplug.device; "
+            "bad = {'llama_cpp', 'zmq'} & set(sys.modules); assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)

