@@ -219,3 +219,21 @@ def test_the_head_streams_its_own_windows_as_a_node_does(model_dir: Path) -> Non
     finally:
         ref.close()
         llm.close()
+
+
+def test_an_engine_failure_is_one_sentence_naming_window_node_and_cause(model: Path, nodes: InprocNodes) -> None:
+    """A batch at positions the nodes' caches do not lead up to (sent past the session, as a bug would): llama.cpp
+    refuses it, and the head hears which node, which window, and why, in words."""
+    from primaplug.core.errors import NodeError
+
+    llm = _ring(model, nodes)
+    try:
+        llm.eval(_prompt(10))
+        with pytest.raises(NodeError) as e:
+            llm.session.ring.forward([3], 15, 99)
+        text = str(e.value)
+        assert text.startswith("node node1")
+        assert "window [0, 4) could not compute 1 tokens at positions 15..15" in text
+        assert "does not hold the positions before these" in text, text
+    finally:
+        llm.close()
