@@ -29,8 +29,9 @@ LINUX, ANDROID, MACOS_CPU, MACOS_METAL = 0, 1, 2, 3
 
 
 def _per(nbytes: float, bps: float, latency: float = 0.0) -> float:
-    """Seconds to move `nbytes` at `bps` after `latency`; 0 when the throughput was not measured (bps == 0)."""
-    return latency + nbytes / bps if bps > 0 else 0.0
+    """Seconds to move `nbytes` at `bps` after `latency`; the latency alone when the throughput was not measured
+    (bps == 0)."""
+    return latency + (nbytes / bps if bps > 0 else 0.0)
 
 
 def _flops_time(work: dict[str, float], rates: dict[str, float], device: str, backend: str) -> float:
