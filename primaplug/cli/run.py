@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -80,8 +81,6 @@ def generated(llm: Any, prompt: list[int], n_predict: int, sampling: dict[str, A
 
 def _stream(llm: Any, text: str, prompt: list[int], n_predict: int, sampling: dict[str, Any], seed: int) -> list[int]:
     """Stream the completion to stdout; returns the generated token ids."""
-    import sys
-
     sys.stdout.write(text)
     sys.stdout.flush()
     out: list[int] = []

@@ -3,7 +3,6 @@ and whether they are repacked. One rule for nodes and the head."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from primaplug.core.budget import MARGIN
@@ -13,8 +12,6 @@ from primaplug.memory.policy import PrefetchPlan, plan_prefetch, repack_allowed,
 from primaplug.memory.prefetcher import Switches
 from primaplug.memory.system import MemoryView, memory_view
 from primaplug.profiler.model import compute_buffer_layers_bytes
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -28,7 +25,6 @@ class MemoryPlan:
     prefetch: PrefetchPlan  # whole windows, or layers when per_layer
     repack: bool  # weights copied out of the mapping for llama.cpp's faster CPU kernels
     per_layer: bool  # a streaming device going layer by layer (--layer-streaming)
-    reserved_bytes: int  # KV cache and compute buffers, besides the weights
 
     def describe(self) -> str:
         return self.prefetch.describe() + repack_note(self.prefetch, self.repack)
@@ -67,4 +63,4 @@ def plan_memory(layout: ModelLayout, windows: list[LayerRange], *, n_ctx: int, n
     if per_layer:  # one unit per layer (device/windows.py: PrefetchHooks)
         plan = plan_prefetch([layout.window_ranges(LayerRange(il, il + 1)) for r in windows
                               for il in range(r.start, r.end)], budget, keep=sw.keep, unit="layer")
-    return MemoryPlan(plan, repack_allowed(plan, reserved, view.total_bytes), per_layer, reserved)
+    return MemoryPlan(plan, repack_allowed(plan, reserved, view.total_bytes), per_layer)

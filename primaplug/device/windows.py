@@ -86,7 +86,6 @@ class DeviceWindows:
                  prefetcher: Prefetcher | None) -> None:
         self.model, self.windows, self.plan, self.hooks = model, windows, plan, hooks
         self.prefetcher = prefetcher
-        self.ranges = [w.layers if w is not None else LayerRange(0, 0) for w in windows]
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], layout: ModelLayout, ranges: Sequence[LayerRange], *,

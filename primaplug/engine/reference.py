@@ -19,31 +19,26 @@ def plain_llama_forward(
     path: str | os.PathLike[str], settings: ContextSettings
 ) -> Iterator[Callable[[Sequence[int], int], np.ndarray]]:
     """An ordinary llama_cpp.Llama with the same context sizes, as forward(tokens, pos) -> last logits."""
-    _log.install()
     threads = settings.params().n_threads  # the windows' thread count (Llama's own default is half the cores)
-    llm = llama_cpp.Llama(os.fspath(path), n_ctx=settings.n_ctx, n_batch=settings.n_batch,
-                          n_ubatch=settings.n_ubatch, n_threads=threads, n_threads_batch=threads,
-                          flash_attn=settings.flash_attn,
-                          logits_all=True, verbose=False)
+    with plain_llama(path, n_ctx=settings.n_ctx, n_batch=settings.n_batch, n_ubatch=settings.n_ubatch,
+                     n_threads=threads, n_threads_batch=threads, flash_attn=settings.flash_attn, logits_all=True,
+                     verbose=False) as llm:
 
-    def forward(tokens: Sequence[int], pos: int) -> np.ndarray:
-        if pos == 0:
-            llm.reset()
-        if pos != llm.n_tokens:
-            raise ValueError(f"plain Llama is at position {llm.n_tokens}, asked for {pos}")
-        llm.eval(list(tokens))
-        return llm.scores[llm.n_tokens - 1]
+        def forward(tokens: Sequence[int], pos: int) -> np.ndarray:
+            if pos == 0:
+                llm.reset()
+            if pos != llm.n_tokens:
+                raise ValueError(f"plain Llama is at position {llm.n_tokens}, asked for {pos}")
+            llm.eval(list(tokens))
+            return llm.scores[llm.n_tokens - 1]
 
-    try:
         yield forward
-    finally:
-        llm.close()
 
 
 @contextmanager
 def plain_llama(path: str | os.PathLike[str], **kwargs: Any) -> Iterator[llama_cpp.Llama]:
     """Plain llama-cpp-python on the whole model, with llama.cpp's log going where the engine sends it (not to the
-    terminal), closed on exit: the reference of `run --verify`."""
+    terminal), closed on exit: the reference of `run --verify` and of plain_llama_forward."""
     _log.install()
     llm = llama_cpp.Llama(os.fspath(path), **kwargs)
     try:

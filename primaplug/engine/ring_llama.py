@@ -29,9 +29,6 @@ class Session(Protocol):
     """The conversation on the ring: what the head's context hands its tokens and KV operations to
     (primaplug.head.Session fits)."""
 
-    @property
-    def n_past(self) -> int: ...
-
     def eval(self, tokens: Sequence[int], pos0: int, *, all_rows: bool = False,
              output: Callable[[np.ndarray, int], None] | None = None) -> None: ...
 
@@ -151,10 +148,6 @@ class RingLlama(llama_cpp.Llama):
         self.input_ids[n_past : n_past + n] = tokens
         self.n_tokens += n
         self._requires_eval = False
-
-    def is_eog(self, token: int) -> bool:
-        """Whether the token ends a generation (end of turn, end of text)."""
-        return self._head.is_eog(token)
 
     def embed(self, *args: Any, **kwargs: Any) -> Any:
         raise PrimaplugError("embeddings are not supported over a ring")

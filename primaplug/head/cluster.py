@@ -147,7 +147,7 @@ class Cluster:
         for i, n in enumerate(self.nodes):
             n.load(Assignment(epoch=epoch, model=self.model, windows=(WindowSpec(0, 0),), successor=self._successor(i),
                               n_ctx=max(rows, 1), n_batch=max(rows, 1), n_ubatch=max(rows, 1)))
-        self._wait_loaded(epoch, None)
+        self._wait_loaded(epoch)
         out = self.transport.ring_out(s.link(HEAD, self._ring_endpoint(0)))
         try:
             times = {}
@@ -177,7 +177,7 @@ class Cluster:
                     log.warning("%s", e)
         hops = len(self.nodes) + 1
         extra = times[rows] - times[1]
-        if extra <= 0:  # faster than the noise can tell: as fast as the slowest rate a trip could hide
+        if extra <= 0:  # the larger probe no slower than one row: a link faster than the clock tells apart
             log.warning("the ring's links moved %d rows no slower than 1; taking them as 10 GB/s", rows)
             extra = hops * (rows - 1) * 4 * self.model.n_embd / 10e9
         bps = hops * (rows - 1) * 4 * self.model.n_embd / extra

@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from primaplug.core.errors import ConfigError
 from primaplug.transport.addresses import WILDCARD_HOSTS, endpoint, parse_endpoint
@@ -47,7 +47,7 @@ class InprocNetwork:
 
     def __init__(self) -> None:
         self.cv = threading.Condition()
-        self.bound: dict[tuple[str, int], InprocControlServer | InprocRingIn] = {}
+        self.bound: dict[tuple[str, int], _BoundSocket] = {}
         self.clients: dict[bytes, InprocControlClient] = {}
         self.waiting: dict[str, list[_Request]] = {}  # requests to endpoints that no server has bound yet
         self._ports = itertools.count(_FIRST_PORT)
@@ -58,7 +58,7 @@ class InprocNetwork:
     def _port_in_use(self, port: int) -> bool:
         return any(p == port for _, p in self.bound)
 
-    def _bind(self, sock: InprocControlServer | InprocRingIn, host: str, port: int) -> str:
+    def _bind(self, sock: _BoundSocket, host: str, port: int) -> str:
         if port == 0:
             port = next(p for p in self._ports if not self._port_in_use(p))
         # like TCP: a wildcard bind takes the port on every host, so it clashes with any bind of that port
@@ -74,13 +74,13 @@ class InprocNetwork:
         self.cv.notify_all()
         return address
 
-    def _unbind(self, sock: InprocControlServer | InprocRingIn) -> None:
+    def _unbind(self, sock: _BoundSocket) -> None:
         for key, s in list(self.bound.items()):
             if s is sock:
                 del self.bound[key]
         self.cv.notify_all()
 
-    def _lookup(self, address: str) -> InprocControlServer | InprocRingIn | None:
+    def _lookup(self, address: str) -> _BoundSocket | None:
         """The socket a connection to this endpoint reaches: one bound on that host, else one on a wildcard."""
         host, port = parse_endpoint(address)
         sock = self.bound.get((host, port)) or (self.bound.get(("127.0.0.1", port)) if host == "localhost" else None)
@@ -142,20 +142,35 @@ class _InprocSocket:
         return bool(self.network.cv.wait_for(ready, max(0.0, timeout_s)))
 
 
-class InprocControlServer(_InprocSocket):
+class _BoundSocket(_InprocSocket):
+    """A socket bound to an address (a control server, a ring input): what it is sent waits in its inbox."""
+
     def __init__(self, network: InprocNetwork, host: str, port: int) -> None:
         super().__init__(network, "")
-        self.inbox: deque[_Request] = deque()
+        self.inbox: deque[Any] = deque()
         with network.cv:
             self.address = network._bind(self, host, port)
 
+    def _take(self, timeout_s: float) -> Any:
+        """The next message in the inbox (lock held), or None after the timeout or once closed."""
+        self._check()
+        if not self._wait(lambda: self.inbox or self.closed, timeout_s) or self.closed:
+            return None
+        return self.inbox.popleft()
+
+    def close(self) -> None:
+        with self.network.cv:
+            if not self.closed:
+                self.closed = True
+                self.inbox.clear()  # what it had not read dies with it
+                self.network._unbind(self)
+
+
+class InprocControlServer(_BoundSocket):
     def recv(self, timeout_s: float) -> tuple[list[bytes], bytes] | None:
         with self.network.cv:
-            self._check()
-            if not self._wait(lambda: self.inbox or self.closed, timeout_s) or self.closed:
-                return None
-            req = self.inbox.popleft()
-            return [req.client, req.rid], req.body
+            req: _Request | None = self._take(timeout_s)
+            return None if req is None else ([req.client, req.rid], req.body)
 
     def reply(self, envelope: list[bytes], body: bytes) -> None:
         client_id, rid = envelope
@@ -165,13 +180,6 @@ class InprocControlServer(_InprocSocket):
             if client is not None:  # like a ROUTER, drop replies to clients that have gone
                 client.inbox.append((rid, bytes(body)))
                 self.network.cv.notify_all()
-
-    def close(self) -> None:
-        with self.network.cv:
-            if not self.closed:
-                self.closed = True
-                self.inbox.clear()  # requests it had not read die with it
-                self.network._unbind(self)
 
 
 class InprocControlClient(_InprocSocket):
@@ -224,28 +232,14 @@ class InprocControlClient(_InprocSocket):
                 self.network.cv.notify_all()
 
 
-class InprocRingIn(_InprocSocket):
-    def __init__(self, network: InprocNetwork, host: str, port: int) -> None:
-        super().__init__(network, "")
-        self.queue: deque[list[bytes]] = deque()
-        with network.cv:
-            self.address = network._bind(self, host, port)
-
+class InprocRingIn(_BoundSocket):
     def recv(self, timeout_s: float) -> Frames | None:
         with self.network.cv:
-            self._check()
-            if not self._wait(lambda: self.queue or self.closed, timeout_s) or self.closed:
+            frames: list[bytes] | None = self._take(timeout_s)
+            if frames is None:
                 return None
-            frames = self.queue.popleft()
             self.network.cv.notify_all()  # a sender may be waiting for room
             return list(frames)
-
-    def close(self) -> None:
-        with self.network.cv:
-            if not self.closed:
-                self.closed = True
-                self.queue.clear()  # messages it had not read die with it
-                self.network._unbind(self)
 
 
 class InprocRingOut(_InprocSocket):
@@ -258,7 +252,7 @@ class InprocRingOut(_InprocSocket):
 
         def room() -> InprocRingIn | None:
             target = self.network._lookup(self.address)
-            if isinstance(target, InprocRingIn) and len(target.queue) < RING_HWM:
+            if isinstance(target, InprocRingIn) and len(target.inbox) < RING_HWM:
                 return target
             return None
 
@@ -268,7 +262,7 @@ class InprocRingOut(_InprocSocket):
                 return False
             target = room()
             assert target is not None  # the lock has been held since room() said so
-            target.queue.append(msg)
+            target.inbox.append(msg)
             self.network.cv.notify_all()
             return True
 
