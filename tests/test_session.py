@@ -237,3 +237,18 @@ def test_an_engine_failure_is_one_sentence_naming_window_node_and_cause(model: P
         assert "does not hold the positions before these" in text, text
     finally:
         llm.close()
+
+
+def test_removing_positions_from_the_middle_is_refused_and_changes_nothing(model: Path, nodes: InprocNodes) -> None:
+    """llama-cpp-python's context API can ask to drop a span in the middle; over a ring only rewinding is offered,
+    and the refusal leaves the conversation as it was."""
+    from primaplug.core.errors import PrimaplugError
+
+    llm = _ring(model, nodes)
+    try:
+        llm.eval(_prompt(12))
+        with pytest.raises(PrimaplugError, match=r"removing positions \[3, 6\) from the middle .* only rewinding"):
+            llm._ctx.kv_cache_seq_rm(0, 3, 6)
+        assert llm.session.n_past == 12 and [_positions(nodes, i) for i in (0, 1)] == [12, 12]
+    finally:
+        llm.close()
