@@ -252,3 +252,17 @@ def test_removing_positions_from_the_middle_is_refused_and_changes_nothing(model
         assert llm.session.n_past == 12 and [_positions(nodes, i) for i in (0, 1)] == [12, 12]
     finally:
         llm.close()
+
+
+def test_nodes_of_one_name_are_told_apart(model: Path, nodes: InprocNodes) -> None:
+    """Two devices with the same host name: the head names each by its address too, in its events and its view."""
+    for n in nodes.nodes[:2]:
+        n.name = "vm"
+    llm = _ring(model, nodes)
+    try:
+        names = [n.name for n in llm.cluster.nodes]
+        assert names == [f"vm@{a}" for a in nodes.addresses[:2]]
+        assert set(llm.events.view.nodes) == set(names) and all(v.state == "ready"
+                                                               for v in llm.events.view.nodes.values())
+    finally:
+        llm.close()

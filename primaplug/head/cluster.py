@@ -87,9 +87,13 @@ class Cluster:
 
     def connect(self) -> None:
         """Say hello to every node and check that each holds the head's model."""
-        wrong = []
+        welcomes = [n.hello() for n in self.nodes]
+        names = [n.name for n in self.nodes]
         for n in self.nodes:
-            w = n.hello()
+            if names.count(n.name) > 1:  # two nodes of one name (a host name, say): tell them apart by address
+                n.name = f"{n.name}@{n.address}"
+        wrong = []
+        for n, w in zip(self.nodes, welcomes, strict=True):
             d = w.device
             self.events.publish(NodeProgress(n.name, "connected", 0.0, f"{d.os} {d.machine}, {d.cpu_count} cores, "
                                              f"{d.mem_total_bytes / 2**30:.1f} GiB"))
@@ -132,11 +136,7 @@ class Cluster:
             p = n.profile(self.model.identity, force=force,
                           progress=lambda what, n=n: self.events.publish(NodeProgress(n.name, "profiling", 0.0, what)))
             self.events.publish(NodeProgress(n.name, "profiling", 1.0, "profiled"))
-            out.append(msgspec.structs.replace(p, name=n.name))
-        names = [p.name for p in out]
-        if len(set(names)) < len(names):  # two nodes of one name: tell them apart by address
-            out = [msgspec.structs.replace(p, name=f"{p.name}@{n.address}")
-                   for p, n in zip(out, self.nodes, strict=True)]
+            out.append(msgspec.structs.replace(p, name=n.name))  # unique: connect() told namesakes apart
         return out
 
     def measure_links(self, rows: int = 256, repeats: int = 7) -> tuple[float, float]:
