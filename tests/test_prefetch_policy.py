@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from primaplug.core.budget import MAX_PRESSURE
-from primaplug.memory.policy import PAGE, Action, Schedule, plan_prefetch, repack_allowed
+from primaplug.memory.policy import PAGE, Action, Schedule, plan_prefetch
 
 MiB = 1 << 20
 # three windows of two layers, each layer one 8 MiB tensor, page-aligned, back to back
@@ -17,19 +16,6 @@ def test_everything_fits_means_resident_and_no_advice() -> None:
     assert plan.mode == "resident" and plan.keep_bytes == 48 * MiB
     s = Schedule(plan)
     assert s.first() == [] and all(s.started(i) == [] and s.done(i) == [] for i in range(3))
-
-
-def test_windows_that_fit_are_repacked_only_within_the_pressure_bound() -> None:
-    """Repacked weights are anonymous memory: a device whose windows are a large share of it runs them from the
-    mapping instead (the memory testbed's small devices were at 29-66% pressure when they repacked)."""
-    fits = plan_prefetch(WINDOWS, 48 * MiB)
-    reserved = 4 * MiB
-    roomy = int((48 + 4) * MiB / MAX_PRESSURE) + 1  # the copy and the buffers are just under the bound
-    assert repack_allowed(fits, reserved, roomy)
-    assert not repack_allowed(fits, reserved, roomy // 2), "over the bound: run from the mapping"
-    assert not repack_allowed(fits, 12 * MiB, roomy), "the KV cache and buffers count too"
-    streams = plan_prefetch(WINDOWS, 40 * MiB)
-    assert not repack_allowed(streams, 0, 1 << 50), "streamed weights must stay file-backed, however much memory"
 
 
 def test_two_windows_fit_prefetch_starts_with_the_previous_window() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 # How long a silent node may take before the head (or a node's send to its successor) gives up on it. A node is
 # probed on its control channel after PROBE_AFTER_S of ring silence, so a slow but alive node is not cut off.
@@ -43,3 +44,12 @@ def head_threads(n_threads: int, has_nodes: bool) -> int:
         return n_threads
     cores = os.cpu_count() or 2
     return max(1, cores // 2) if has_nodes else cores
+
+
+def cache_root() -> Path:
+    """Where primaplug keeps what it writes once and reuses (device profiles, repacked copies of models):
+    $PRIMAPLUG_CACHE, else $XDG_CACHE_HOME/primaplug, else ~/.cache/primaplug. The engine build uses the same."""
+    base = os.environ.get("PRIMAPLUG_CACHE")
+    if base:
+        return Path(base)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "primaplug"

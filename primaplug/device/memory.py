@@ -1,5 +1,5 @@
-"""A device's memory plan for its windows: how much their weights may use, whether they stay resident or stream,
-and whether they are repacked. One rule for nodes and the head."""
+"""A device's memory plan for its windows: how much their weights may use, and whether they stay resident or
+stream. One rule for nodes and the head."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from primaplug.core.budget import MARGIN
 from primaplug.core.windows import LayerRange
 from primaplug.engine import ModelLayout
-from primaplug.memory.policy import PrefetchPlan, plan_prefetch, repack_allowed, repack_note
+from primaplug.memory.policy import PrefetchPlan, plan_prefetch
 from primaplug.memory.prefetcher import Switches
 from primaplug.memory.system import MemoryView, memory_view
 from primaplug.profiler.model import compute_buffer_layers_bytes
@@ -23,11 +23,10 @@ class MemorySettings:
 @dataclass(frozen=True)
 class MemoryPlan:
     prefetch: PrefetchPlan  # whole windows, or layers when per_layer
-    repack: bool  # weights copied out of the mapping for llama.cpp's faster CPU kernels
     per_layer: bool  # a streaming device going layer by layer (--layer-streaming)
 
     def describe(self) -> str:
-        return self.prefetch.describe() + repack_note(self.prefetch, self.repack)
+        return self.prefetch.describe()
 
 
 def reserved_bytes(layout: ModelLayout, windows: list[LayerRange], n_ctx: int, n_batch: int, n_ubatch: int) -> int:
@@ -63,4 +62,4 @@ def plan_memory(layout: ModelLayout, windows: list[LayerRange], *, n_ctx: int, n
     if per_layer:  # one unit per layer (device/windows.py: PrefetchHooks)
         plan = plan_prefetch([layout.window_ranges(LayerRange(il, il + 1)) for r in windows
                               for il in range(r.start, r.end)], budget, keep=sw.keep, unit="layer")
-    return MemoryPlan(plan, repack_allowed(plan, reserved, view.total_bytes), per_layer)
+    return MemoryPlan(plan, per_layer)

@@ -95,16 +95,23 @@ class DeviceWindows:
         """Plan memory for the windows of `ranges` (one per round; empty ones relay), map the model and open them.
         `output`: this device also runs the output layer (the head)."""
         from primaplug.engine import Model
+        from primaplug.engine.repacked import copied_bytes
 
         ranges, memory = list(ranges), memory or MemorySettings()
         used = [r for r in ranges if r.n_layers]
+        # what llama.cpp copies out of the mapping at load, as plain llama.cpp does (a tied lm_head, repacked)
+        extra_reserved += copied_bytes(layout, output)
         plan = plan_memory(layout, used, n_ctx=context.n_ctx, n_batch=context.n_batch, n_ubatch=context.n_ubatch,
                            memory=memory, extra_reserved=extra_reserved, extra_weights=extra_weights)
         names = ", ".join(map(str, used)) or "(relay only)"
         progress(0.05, f"mapping {os.path.basename(os.fspath(path))} for windows {names}; {plan.describe()}")
         if plan.prefetch.mode == "stream":
             log.info("windows %s do not fit in memory: %s", names, plan.describe())
-        model = Model(path, used, output=output, gpu_layers=gpu_layers, repack=plan.repack, layout=layout)
+        model = Model(path, used, output=output, gpu_layers=gpu_layers, layout=layout,
+                      progress=lambda f, what: progress(0.05 + 0.05 * f, what))
+        if model.copy:
+            log.info("windows %s mapped from the repacked copy %s (the kernels of plain llama.cpp on this CPU)",
+                     names, model.copy.path)
         hooks = PrefetchHooks(ranges, per_layer=plan.per_layer)
         try:
             if used:
@@ -113,7 +120,7 @@ class DeviceWindows:
             windows = model.round_windows(ranges, settings=context,
                                           on_layer=[hooks.on_layer(i, r) for i, r in enumerate(ranges)])
             model.pause_threads()  # asleep until work comes (awake())
-            prefetcher = Prefetcher(os.fspath(path), plan.prefetch, memory.switches) if used else None
+            prefetcher = Prefetcher(model.source, plan.prefetch, memory.switches) if used else None
         except BaseException:
             model.close()
             raise

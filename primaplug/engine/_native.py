@@ -23,6 +23,7 @@ _SO_SUFFIX = {"win32": ".dll", "darwin": ".dylib"}.get(sys.platform, ".so")
 LLAMA_WINDOW_PLACEMENT_SKIP = 0
 LLAMA_WINDOW_PLACEMENT_CPU = 1
 LLAMA_WINDOW_PLACEMENT_GPU = 2
+LLAMA_WINDOW_PLACEMENT_CPU_REPACKED = 3  # patches/0008: run on the CPU from weights stored repacked in the file
 
 
 def _bind(name: str, argtypes: list[object], restype: object) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
@@ -55,6 +56,16 @@ llama_model_load_for_windows = _bind(
     _ll.llama_model_p_ctypes,
 )
 
+# typedef void (*llama_repacked_tensor_callback)(const char * name, const void * data, size_t size, void * user_data);
+llama_repacked_tensor_callback = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t,
+                                                  ctypes.c_void_p)
+# LLAMA_API int32_t llama_model_repacked_tensors(const struct llama_model * model,
+#                                                llama_repacked_tensor_callback callback, void * user_data);
+llama_model_repacked_tensors = _bind(
+    "llama_model_repacked_tensors",
+    [_ll.llama_model_p_ctypes, llama_repacked_tensor_callback, ctypes.c_void_p],
+    ctypes.c_int32,
+)
 # LLAMA_API struct llama_context * llama_init_window_from_model(
 #                  struct llama_model * model,
 #         struct llama_context_params   params,
@@ -121,6 +132,11 @@ def _sibling(stem: str) -> ctypes.CDLL:
 
 _ggml_base = _sibling("ggml-base")
 _ggml_cpu = _sibling("ggml-cpu")
+
+
+def ggml_cpu_path() -> str:
+    """The CPU backend library in use: its code decides how weights are repacked (engine/repacked.py)."""
+    return _ggml_cpu._name
 
 # GGML_API struct ggml_threadpool_params ggml_threadpool_params_default(int n_threads);
 ggml_threadpool_params_default = _ggml_base.ggml_threadpool_params_default

@@ -27,6 +27,7 @@ from primaplug.engine import _log, _native
 from primaplug.engine.affinity import on_cpu, pinned_cpus
 from primaplug.engine.layout import ModelLayout, read_layout
 from primaplug.engine.progress import LayerProgress
+from primaplug.engine.repacked import RepackedCopy, needs_copy, repacked_copy
 
 # ggml's polling level (llama.cpp's own default) for compute threads that are about to be given work: windows
 # chained in one process, and a node's window from the moment its input arrives. Whoever sets it pauses the pool
@@ -86,9 +87,12 @@ class Model:
         windows: the windows this process will run; their layers are the only ones ever read.
         output: whether this process runs the output layer (output norm and lm_head).
         gpu_layers: layers (from the windows) to run on the first GPU; the rest run on the CPU.
-        repack: let llama.cpp repack the windows' weights for faster CPU kernels. Repacked weights are
-            copied out of the file mapping at load, so a device that streams windows from disk turns it off.
+        repack: compute as plain llama.cpp does on this CPU: the weights it repacks for faster kernels (which
+            round differently) are mapped from a repacked copy of the file, written once to the cache
+            (engine/repacked.py), so they stay page cache and may stream. False runs the file's bytes as they
+            are, with the slower kernels: other logits than plain llama.cpp.
         layout: the file's layout when the caller has already read it (read from the header otherwise).
+        progress: told (fraction, what) how writing the repacked copy goes, when it must be written.
     """
 
     def __init__(
@@ -100,6 +104,7 @@ class Model:
         gpu_layers: Iterable[int] = (),
         repack: bool = True,
         layout: ModelLayout | None = None,
+        progress: Callable[[float, str], None] | None = None,
     ) -> None:
         self.path = os.fspath(path)
         self.layout: ModelLayout = layout or read_layout(self.path)
@@ -114,24 +119,44 @@ class Model:
         if not gpu <= self.layers:
             raise WindowRangeError(f"GPU layers {sorted(gpu - self.layers)} are not in this model's windows")
 
-        placement = (ctypes.c_uint8 * (n_layer + 1))()
-        for il in self.layers:
-            placement[il] = _native.LLAMA_WINDOW_PLACEMENT_GPU if il in gpu else _native.LLAMA_WINDOW_PLACEMENT_CPU
-        placement[n_layer] = _native.LLAMA_WINDOW_PLACEMENT_CPU if output else _native.LLAMA_WINDOW_PLACEMENT_SKIP
-
         _log.install()
         _ll.llama_backend_init()
+        cpu_layers = self.layers - gpu
+        self.copy: RepackedCopy | None = None
+        if repack and needs_copy(self.layout, cpu_layers, output):
+            self.copy = repacked_copy(self.layout, cpu_layers, gpu, output=output, progress=progress)
+        self.source = self.copy.path if self.copy else self.path  # the file mapped: prefetch and release this one
+        cpu = _native.LLAMA_WINDOW_PLACEMENT_CPU_REPACKED if self.copy else _native.LLAMA_WINDOW_PLACEMENT_CPU
+        placement = (ctypes.c_uint8 * (n_layer + 1))()
+        for il in self.layers:
+            placement[il] = _native.LLAMA_WINDOW_PLACEMENT_GPU if il in gpu else cpu
+        placement[n_layer] = cpu if output else _native.LLAMA_WINDOW_PLACEMENT_SKIP
+
         params = _ll.llama_model_default_params()
         params.use_extra_bufts = repack
         params.load_mode = _ll.LLAMA_LOAD_MODE_MMAP
-        ptr = _native.llama_model_load_for_windows(self.path.encode(), params, placement, n_layer + 1)
+        ptr = _native.llama_model_load_for_windows(self.source.encode(), params, placement, n_layer + 1)
         if not ptr:
-            raise EngineError(f"could not load {self.path} for windows: {_log.take_errors() or 'see the log'}")
+            raise EngineError(f"could not load {self.source} for windows: {_log.take_errors() or 'see the log'}")
         self._ptr = ptr
+        self.copied_bytes = self._copied_bytes()
         self._vocab = _ll.llama_model_get_vocab(ptr)
         self._stack = ExitStack()
         self._stack.callback(_ll.llama_model_free, ptr)
         self._pools: dict[tuple[int, int, bool], tuple[int, int | None]] = {}
+
+    def _copied_bytes(self) -> int:
+        """Weights llama.cpp repacked into anonymous memory at load, as plain llama.cpp does: those not in the
+        repacked copy (a tied lm_head's copy of the token embedding). Memory pressure, unlike the mapping."""
+        mapped = self.copy.repacked if self.copy else frozenset()
+        total = 0
+
+        def add(name: bytes, _data: int, size: int, _user: object) -> None:
+            nonlocal total
+            total += 0 if name.decode() in mapped else size
+
+        _native.llama_model_repacked_tensors(self._ptr, _native.llama_repacked_tensor_callback(add), None)
+        return total
 
     # --- windows -------------------------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from primaplug.core.settings import RunSettings, head_threads
 from primaplug.device import DeviceWindows, MemorySettings
 from primaplug.engine import BUSY_POLL, ContextSettings, read_layout
 from primaplug.engine.ring_llama import RingLlama
+from primaplug.memory.prefetcher import Switches
 from primaplug.head.cluster import Cluster, ClusterSettings, Route
 from primaplug.head.events import Events
 from primaplug.head.planning import PlanSettings, measure, plan_cluster
@@ -60,6 +61,8 @@ class Llama(RingLlama):
             less KV cache, buffers, the output layer and 5%); windows that do not fit are streamed, as on a node.
             A planning scheduler sees it as the head's available memory (PlanSettings.head_memory_bytes), so the
             plan puts on the nodes what the head does not hold.
+        memory_switches: which parts of the memory policy the head's own windows use (prefetch, release, keep,
+            layer by layer), as a node's --no-prefetch, --no-release, --no-keep and --layer-streaming: ablations.
         events: where the cluster and the session publish what they do (head/events.py); `llm.events.view` is the
             cluster's latest snapshot either way.
         transport: the transport to reach the nodes over (default: ZeroMQ, with `keys`); the caller keeps
@@ -85,6 +88,7 @@ class Llama(RingLlama):
         node_threads: int = _RUN.node_threads,
         node_gpu_layers: int | Sequence[int] = 0,
         memory_budget: int | None = None,
+        memory_switches: Switches | None = None,
         events: Events | None = None,
         transport: Transport | None = None,
         route: Route | None = None,
@@ -135,8 +139,8 @@ class Llama(RingLlama):
             context = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
                                       poll=BUSY_POLL)
             self._device = DeviceWindows.load(
-                path, layout, cluster.head_ranges, context=context, memory=MemorySettings(budget_bytes=memory_budget),
-                output=True, extra_reserved=compute_buffer_output_bytes(layout, n_ctx, n_batch, n_ubatch),
+                path, layout, cluster.head_ranges, context=context,
+                memory=MemorySettings(budget_bytes=memory_budget, switches=memory_switches or Switches()), output=True, extra_reserved=compute_buffer_output_bytes(layout, n_ctx, n_batch, n_ubatch),
                 extra_weights=layout.output_bytes)
             cluster.deploy()
             self.session = Session(cluster.ring(self._device), n_batch=n_batch, events=self.events)

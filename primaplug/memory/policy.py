@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from primaplug.core.budget import MAX_KEEP, MAX_PRESSURE
+from primaplug.core.budget import MAX_KEEP
 
 PAGE = mmap.PAGESIZE
 Ranges = tuple[tuple[int, int], ...]  # (offset, length) in the file
@@ -123,23 +123,6 @@ def plan_prefetch(windows: Sequence[Sequence[tuple[int, int]]], budget_bytes: in
         kept += k
         streamed.append(tuple(s))
     return PrefetchPlan("stream", budget_bytes, tuple(kept), tuple(streamed), early, fraction, unit)
-
-
-def repack_allowed(plan: PrefetchPlan, reserved_bytes: int, total_bytes: int) -> bool:
-    """Whether windows may be repacked for llama.cpp's faster CPU kernels. Repacking copies weights out of the file
-    mapping into anonymous memory, which the kernel cannot reclaim for other apps: it is memory pressure. So only
-    windows that fit (streamed weights must stay file-backed) and whose copy, with the KV cache and compute buffers
-    (`reserved_bytes`), stays within MAX_PRESSURE of the device's memory (`total_bytes`). Elsewhere they run from
-    the mapping, as the paper's llama.cpp does."""
-    return plan.mode == "resident" and plan.keep_bytes + reserved_bytes <= MAX_PRESSURE * total_bytes
-
-
-def repack_note(plan: PrefetchPlan, repack: bool) -> str:
-    """What a node's load progress says of repacking (nothing for windows that stream)."""
-    if plan.mode != "resident":
-        return ""
-    return "; repacked for faster kernels" if repack else \
-        f"; run from the mapping (a repacked copy would add over {MAX_PRESSURE:.0%} memory pressure)"
 
 
 class Schedule:

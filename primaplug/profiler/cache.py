@@ -13,6 +13,8 @@ from pathlib import Path
 
 import msgspec
 
+from primaplug.core.settings import cache_root
+
 # bump when a measurement method changes: every cached profile is then measured again
 PROFILER_VERSION = 1
 
@@ -57,7 +59,7 @@ class Measured(msgspec.Struct, kw_only=True):
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "primaplug" / "profiles"
+    return cache_root() / "profiles"
 
 
 def cache_path(cache_dir: Path, fingerprint: Fingerprint) -> Path:

@@ -1,0 +1,319 @@
+"""Repacked copies: a model's weights in the layout llama.cpp's CPU kernels want, on disk, mapped like the file.
+
+Plain llama.cpp repacks Q4_0, Q4_K, Q5_K, Q6_K, Q2_K, Q8_0, IQ4_NL and MXFP4 matrices at load (x86 AVX2/AVX-512,
+ARM NEON/i8mm) into anonymous memory, and runs faster kernels on them that round differently from the
+non-repacked ones. A window must run the same kernels to give the same tokens, but it cannot copy its weights
+into anonymous memory: that is memory pressure (the OS cannot reclaim it for other apps) and a streamed window
+must stay file-backed.
+
+So each device writes, once, a copy of the GGUF file holding its layers' weights already repacked (patches/0008
+maps them as llama.cpp's CPU_REPACK buffers, LLAMA_WINDOW_PLACEMENT_CPU_REPACKED). The repacked form of a
+tensor has its exact size, so the copy keeps every offset of the original: the layout, the byte ranges, the
+prefetcher and the mapping work on it unchanged. It is page cache (reclaimable), costs disk, not memory, and is
+sparse: only the parts a device runs are written.
+
+The repacked bytes come from llama.cpp itself: the missing layers are loaded with repacking on, a few hundred MB
+at a time, and every weight it repacked is written out (llama_model_repacked_tensors). So the choice of which
+tensors repack, and how, stays llama.cpp's, on this CPU and this build. The copy is named by the model's identity
+and by the engine (the CPU backend library and the CPU features it saw), so another build or CPU writes its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from llama_cpp import llama_cpp as _ll
+
+from primaplug.core.errors import EngineError
+from primaplug.core.settings import cache_root
+from primaplug.engine import _log, _native
+from primaplug.engine.layout import ModelLayout, TensorSpan
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[float, str], None]  # (fraction done, what is being done)
+
+FORMAT = 1  # of the manifest beside each copy
+CHUNK_BYTES = 256 << 20  # layers repacked per load while building: the most anonymous memory a build takes
+# the parts of a copy, each written whole: "blk.N" (a CPU layer, repacked), "blk.N.raw" (a GPU layer: the GPU
+# backend takes the file's bytes), and the tensors outside layers
+INPUT, OUTPUT, GLOBALS = "input", "output", "globals"
+# ggml types that llama.cpp's CPU backend can repack (ggml-cpu/repack.cpp); a model with none needs no copy
+REPACKABLE = frozenset({"Q1_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q8_0", "IQ4_NL", "MXFP4"})
+
+
+def default_dir() -> Path:
+    return cache_root() / "repacked"
+
+
+@functools.cache
+def engine_fingerprint() -> str:
+    """What decides the repacked bytes: the CPU backend library's code and the CPU features llama.cpp sees."""
+    h = hashlib.sha256()
+    with open(_native.ggml_cpu_path(), "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    h.update(_ll.llama_print_system_info() or b"")
+    return h.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class RepackedCopy:
+    path: str  # the copy to map instead of the model file
+    repacked: frozenset[str]  # names of the tensors stored repacked in it, among those asked for
+    repacked_bytes: int
+    built_bytes: int  # written by this call (0 when everything was there)
+
+
+def units_for(layout: ModelLayout, cpu_layers: Iterable[int], gpu_layers: Iterable[int], output: bool) -> list[str]:
+    """The parts of the file a model of these layers (and the output layer) reads."""
+    cpu, gpu = sorted(set(cpu_layers)), sorted(set(gpu_layers))
+    units = [GLOBALS] + [f"blk.{il}" for il in cpu] + [f"blk.{il}.raw" for il in gpu]
+    if 0 in cpu + gpu or (output and layout.output_tied):
+        units.append(INPUT)  # the token embedding: the first window looks tokens up; a tied lm_head copies it
+    if output:
+        units.append(OUTPUT)
+    return units
+
+
+def needs_copy(layout: ModelLayout, cpu_layers: Iterable[int], output: bool) -> bool:
+    """Whether any weight these CPU layers (or the output layer) run might be repacked."""
+    units = units_for(layout, cpu_layers, (), output)
+    return any(t.type_name in REPACKABLE for u in units if u != INPUT for t in unit_tensors(layout, u))
+
+
+def copied_bytes(layout: ModelLayout, output: bool) -> int:
+    """What llama.cpp repacks into anonymous memory at load beside a copy, as plain llama.cpp does: the output
+    layer's copy of a tied token embedding (the file's bytes must stay as they are for the embedding lookup)."""
+    embd = layout.tensor("token_embd.weight")
+    return embd.nbytes if output and layout.output_tied and embd and embd.type_name in REPACKABLE else 0
+
+
+def _layer_of(unit: str) -> int | None:
+    return int(unit.split(".")[1]) if unit.startswith("blk.") else None
+
+
+def unit_tensors(layout: ModelLayout, unit: str) -> list[TensorSpan]:
+    il = _layer_of(unit)
+    if il is not None:
+        return list(layout.layer_tensors(il))
+    embd = layout.tensor("token_embd.weight")
+    if unit == INPUT:
+        return [embd] if embd else []
+    out = [t for t in layout.output_tensors if t is not embd]  # a tied lm_head is the input unit's tensor
+    if unit == OUTPUT:
+        return out
+    taken = {t.name for t in out} | {"token_embd.weight"}
+    return [t for t in layout.tensors if t.layer is None and t.name not in taken]
+
+
+def repacked_copy(layout: ModelLayout, cpu_layers: Iterable[int], gpu_layers: Iterable[int] = (), *, output: bool,
+                  cache_dir: Path | None = None, progress: Progress | None = None) -> RepackedCopy:
+    """The repacked copy of `layout`'s model holding these layers (and the output layer), written first for
+    whatever it lacks. Safe against other processes doing the same (one writes, the others wait)."""
+    folder = cache_dir or default_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    key = _key(layout)
+    path = folder / f"{Path(layout.path).stem}-{key}.gguf"
+    units = units_for(layout, cpu_layers, gpu_layers, output)
+    with _locked(path.with_suffix(".lock")):
+        manifest = _read_manifest(path, layout)
+        missing = [u for u in units if u not in manifest["units"]]
+        built = 0
+        if missing:
+            built = _build(layout, path, manifest, missing, progress or (lambda _f, _w: None))
+    names = frozenset(n for u in units for n in manifest["units"][u])
+    sizes = {t.name: t.nbytes for u in units for t in unit_tensors(layout, u)}
+    return RepackedCopy(os.fspath(path), names, sum(sizes[n] for n in names), built)
+
+
+def _key(layout: ModelLayout) -> str:
+    # the header names the model's shape, not its weights: a file written again (a new quantization under the same
+    # name) gets a new modification time, and so a new copy
+    mtime = os.stat(layout.path).st_mtime_ns
+    return hashlib.sha256(f"{layout.identity}|{mtime}|{engine_fingerprint()}".encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _locked(lock: Path) -> Iterator[None]:
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _read_manifest(path: Path, layout: ModelLayout) -> dict:
+    fresh = {"format": FORMAT, "model": layout.identity, "engine": engine_fingerprint(), "units": {},
+             "source": os.path.realpath(layout.path), "mtime": os.stat(layout.path).st_mtime_ns}
+    try:
+        manifest = json.loads(path.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        manifest = None
+    valid = (isinstance(manifest, dict) and path.exists() and os.path.getsize(path) == layout.file_size
+             and all(manifest.get(k) == fresh[k] for k in ("format", "model", "engine")))
+    if not valid:  # none yet, or unreadable: start again (a crash mid-build leaves units out of the manifest)
+        with open(path, "wb") as f:
+            f.truncate(layout.file_size)  # sparse: only the parts written take disk
+            with open(layout.path, "rb") as src:
+                f.write(src.read(layout.data_offset))  # metadata and tensor table, as in the original
+        manifest = fresh
+        _remove_stale(path)
+    return manifest
+
+
+def _remove_stale(current: Path) -> None:
+    """Delete the copies of model files that are gone or were written again since. A process still mapping one
+    keeps its pages: an unlinked file is freed once unmapped."""
+    for manifest_path in current.parent.glob("*.json"):
+        copy = manifest_path.with_suffix(".gguf")
+        if copy == current:
+            continue
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            stale = os.stat(manifest["source"]).st_mtime_ns != manifest["mtime"]
+        except FileNotFoundError:
+            stale = True
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if stale:
+            for p in (copy, manifest_path, copy.with_suffix(".lock")):
+                with contextlib.suppress(OSError):
+                    p.unlink()
+
+
+def _write_manifest(path: Path, manifest: dict) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, sort_keys=True))
+    os.replace(tmp, path.with_suffix(".json"))
+
+
+def _build(layout: ModelLayout, path: Path, manifest: dict, missing: list[str], progress: Progress) -> int:
+    total = sum(t.nbytes for u in missing for t in unit_tensors(layout, u))
+    free = shutil.disk_usage(path.parent).free
+    if total + (64 << 20) > free:
+        raise EngineError(
+            f"the repacked copy of this device's layers needs {total / 2**30:.2f} GiB in {path.parent}, which has "
+            f"{free / 2**30:.2f} GiB free. Free some space, or set PRIMAPLUG_CACHE to a folder on a disk with room")
+    t0, done = time.perf_counter(), 0
+    what = _describe(missing)
+    log.info("writing the repacked copy of %s to %s (%.0f MiB, once)", what, path, total / 2**20)
+    fd_out = os.open(path, os.O_WRONLY)
+    fd_in = os.open(layout.path, os.O_RDONLY)
+    try:
+        for chunk in _chunks(layout, missing):
+            progress(done / max(total, 1), f"repacking {_describe(chunk)} for this CPU into {path.name} (once)")
+            spans = {t.name: t for u in chunk for t in unit_tensors(layout, u)}
+            # llama.cpp repacks only what CPU layers and the output layer multiply by; a tied lm_head's repacked
+            # copy of the token embedding is reported too, but the file's embedding must stay as it is
+            cpu = {t.name: t for u in chunk if u not in (INPUT, GLOBALS) and not u.endswith(".raw")
+                   for t in unit_tensors(layout, u)}
+            repacked = _repack(layout, chunk, cpu, fd_out)
+            for name, span in spans.items():
+                if name not in repacked:
+                    _copy_range(fd_in, fd_out, span.offset, span.nbytes)
+            os.fsync(fd_out)
+            for span in spans.values():  # building is not running: leave memory as it was
+                _drop_cache(fd_in, span.offset, span.nbytes)
+                _drop_cache(fd_out, span.offset, span.nbytes)
+            for u in chunk:
+                # a layer's bytes are either repacked or raw: writing one form drops the other
+                manifest["units"].pop(u[:-4] if u.endswith(".raw") else f"{u}.raw", None)
+                manifest["units"][u] = sorted(t.name for t in unit_tensors(layout, u) if t.name in repacked)
+            _write_manifest(path, manifest)
+            done += sum(s.nbytes for s in spans.values())
+    finally:
+        os.close(fd_in)
+        os.close(fd_out)
+    log.info("repacked copy of %s written in %.1f s", what, time.perf_counter() - t0)
+    progress(1.0, f"repacked copy of {what} written")
+    return total
+
+
+def _chunks(layout: ModelLayout, units: list[str]) -> Iterator[list[str]]:
+    """Units grouped so that each load repacks at most about CHUNK_BYTES (a unit larger than that goes alone)."""
+    chunk: list[str] = []
+    size = 0
+    for u in units:
+        n = sum(t.nbytes for t in unit_tensors(layout, u))
+        if chunk and size + n > CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(u)
+        size += n
+    if chunk:
+        yield chunk
+
+
+def _repack(layout: ModelLayout, units: list[str], spans: dict[str, TensorSpan], fd_out: int) -> set[str]:
+    """Load these units with llama.cpp's repacking on and write each weight it repacked into the copy."""
+    n_layer = layout.n_layer
+    placement = (ctypes.c_uint8 * (n_layer + 1))()
+    for u in units:
+        if u.startswith("blk.") and not u.endswith(".raw"):
+            placement[int(u[4:])] = _native.LLAMA_WINDOW_PLACEMENT_CPU
+    if not any(placement) and OUTPUT not in units:
+        return set()  # raw units only
+    if OUTPUT in units:
+        placement[n_layer] = _native.LLAMA_WINDOW_PLACEMENT_CPU
+    written: set[str] = set()
+
+    def on_tensor(name: bytes, data: int, size: int, _user: object) -> None:
+        span = spans.get(name.decode())
+        if span is None or span.nbytes != size:  # not ours, or a tied lm_head's copy of the token embedding
+            return
+        view = (ctypes.c_char * size).from_address(data)
+        offset, mv = 0, memoryview(view).cast("B")
+        while offset < size:
+            offset += os.pwrite(fd_out, mv[offset:], span.offset + offset)
+        written.add(span.name)
+
+    callback = _native.llama_repacked_tensor_callback(on_tensor)
+    _log.install()
+    _ll.llama_backend_init()
+    params = _ll.llama_model_default_params()
+    params.use_extra_bufts = True
+    params.load_mode = _ll.LLAMA_LOAD_MODE_MMAP
+    ptr = _native.llama_model_load_for_windows(layout.path.encode(), params, placement, n_layer + 1)
+    if not ptr:
+        raise EngineError(f"could not load {layout.path} to repack it: {_log.take_errors() or 'see the log'}")
+    try:
+        _native.llama_model_repacked_tensors(ptr, callback, None)
+    finally:
+        _ll.llama_model_free(ptr)
+    return written
+
+
+def _copy_range(fd_in: int, fd_out: int, offset: int, n: int) -> None:
+    done = 0
+    while done < n:
+        data = os.pread(fd_in, min(n - done, 8 << 20), offset + done)
+        if not data:
+            raise EngineError(f"the model file ended at byte {offset + done}, inside a tensor: is it truncated?")
+        os.pwrite(fd_out, data, offset + done)
+        done += len(data)
+
+
+def _drop_cache(fd: int, offset: int, n: int) -> None:
+    if hasattr(os, "posix_fadvise"):  # not on macOS
+        os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)
+
+
+def _describe(units: list[str]) -> str:
+    layers = sorted({il for u in units if (il := _layer_of(u)) is not None})
+    parts = [f"layers {layers[0]}-{layers[-1]}" if len(layers) > 1 else f"layer {layers[0]}"] if layers else []
+    parts += [u for u in units if u in (INPUT, OUTPUT)]
+    return ", ".join(parts) or "the model's small tensors"
