@@ -20,6 +20,7 @@ Writes benchmarks/results/memory_testbed.json and memory_testbed.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import platform
@@ -33,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import need_charts  # noqa: E402
+from benchmarks.testbed.bound import pooled_disk_bound, tpot_bound  # noqa: E402
 from benchmarks.testbed.cgroups import CgroupUnavailableError  # noqa: E402
 from benchmarks.testbed.cluster import Terminated, Testbed, unwind_on_sigterm  # noqa: E402
 from benchmarks.testbed.devices import Device, load_devices  # noqa: E402
@@ -141,6 +143,7 @@ def ring_run(devices: list[Device], model: Path, work: Path, *, rounds: int, fla
         peaks = tb.peak_memory_bytes()
     return {
         "rounds": rounds, "layers_per_round": sizes, "flags": flags, "deploy_s": round(deployed, 2), **timed,
+        "device_bytes": [int(n * rounds * layer_bytes) for n in sizes],
         "nodes": [{"name": d.name, "memory_mode": s.memory_mode,
                    "major_faults_per_token": round(s.major_faults_per_token, 1),
                    "memory_pressure": round(s.memory_pressure, 4), "bytes_prefetched": s.bytes_prefetched,
@@ -148,6 +151,18 @@ def ring_run(devices: list[Device], model: Path, work: Path, *, rounds: int, fla
                    "cap_bytes": d.cap_bytes, "peak_bytes": p}
                   for d, s, p in zip(devices, statuses, peaks, strict=True)],
     }
+
+
+def compute_rate(model: Path, threads: int, prompt: int) -> float:
+    """Seconds per byte of weights plain llama-cpp-python takes to decode a model that fits (uncapped)."""
+    from primaplug.engine import read_layout
+    from primaplug.engine.reference import plain_llama
+
+    layout = read_layout(model)
+    with plain_llama(model, n_ctx=512, n_threads=threads, n_threads_batch=threads, logits_all=True,
+                     verbose=False) as llm:
+        timed = time_greedy(llm, prompt, 16)
+    return timed["tpot_s"] / sum(layout.layer_bytes(il) for il in range(layout.n_layer))
 
 
 def _line(name: str, r: dict[str, Any]) -> None:
@@ -199,6 +214,8 @@ def main() -> int:
     ap.add_argument("--split", choices=("model", "hand"), default="model",
                     help="windows chosen by the ring's latency model (default) or by hand (memory, then disk)")
     ap.add_argument("--fit-trials", type=int, default=3)
+    ap.add_argument("--memory-factor", type=float, default=1.0,
+                    help="multiply every device's memory (2: the second device set of docs/memory.md)")
     ap.add_argument("--workdir", default=str(CACHE / "testbed"), help="model copies and node logs")
     a = ap.parse_args()
     need_charts()
@@ -206,7 +223,7 @@ def main() -> int:
     unwind_on_sigterm()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("primaplug.llama").setLevel(logging.ERROR)  # llama.cpp's own log
-    devices = load_devices(a.devices)
+    devices = [dataclasses.replace(d, memory_mib=d.memory_mib * a.memory_factor) for d in load_devices(a.devices)]
     model, small = model_file(a.size, a.layers), model_file(a.fit_size, 16)
     caps = sum(d.cap_bytes for d in devices)
     print(f"{model.name}: {model.stat().st_size / 1e9:.2f} GB = {model.stat().st_size / caps:.2f}x the caps' "
@@ -214,6 +231,9 @@ def main() -> int:
     work = Path(a.workdir)
     kw = dict(tokens=a.tokens, prompt=a.prompt, threads=a.threads, split=a.split)
     runs: dict[str, Any] = {}
+    s_per_byte = compute_rate(small, a.threads, a.prompt)
+    print(f"  compute: plain llama-cpp-python decodes {1 / s_per_byte / 1e9:.2f} GB of weights a second "
+          f"(uncapped, {small.name})", file=sys.stderr)
     try:
         largest = max(devices, key=lambda d: d.memory_mib)
         repacked = run_capped(largest, model, work / "plain", tokens=1, threads=a.threads, n_ctx=512, prompt=a.prompt,
@@ -256,7 +276,19 @@ def main() -> int:
         return runs[name]["tpot_s"]
 
     plain = tpot(next(n for n in runs if n.startswith("plain")))
+    for r in runs.values():
+        if "device_bytes" in r:
+            b = tpot_bound(devices, r["device_bytes"], s_per_byte, r["rounds"])
+            r["bound"], r["x_bound"] = b.as_dict(), round(r["tpot_s"] / b.tpot_s, 3)
+    from primaplug.engine import read_layout
+
+    big = read_layout(model)
+    disks = pooled_disk_bound(devices, sum(big.layer_bytes(il) for il in range(big.n_layer)))
+    best_run = runs[f"k={best} prefetch+release"]
     ratios = {
+        "best configuration against its bound (target <= 1.2x)": best_run["x_bound"],
+        "ring vs plain, as a share of the most the disks allow (target >= 0.85)":
+            (plain / best_run["tpot_s"]) / (plain / disks),
         "ring k=best prefetch+release vs plain (target >= 5x)": plain / tpot(f"k={best} prefetch+release"),
         "k=best vs k=1, both prefetch+release (target >= 1.8x)":
             tpot("k=1 prefetch+release") / tpot(f"k={best} prefetch+release"),
@@ -282,6 +314,8 @@ def main() -> int:
         "tokens": a.tokens, "prompt": a.prompt, "best_k": best, "fit_tpot_s": fit,
         "plain_as_shipped_killed_by_cap": bool(repacked.get("killed")),
         "ratios": {k: round(v, 3) for k, v in ratios.items()},
+        "compute_s_per_gb": round(s_per_byte * 1e9, 4), "disks_bound_tpot_s": round(disks, 3),
+        "memory_factor": a.memory_factor,
         "max_memory_pressure": round(pressure, 4),
         "max_memory_pressure_prefetch_release": round(product, 4),
         "runs": runs,

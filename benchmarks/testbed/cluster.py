@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -68,6 +68,17 @@ class Testbed:
         self.nodes: LocalNodes | None = None
         self._old_term: object = None
 
+    def _device_setup(self, group: cgroups.Cgroup, device: Device) -> Callable[[], None]:
+        """In the node's process, before it starts: join the device's cgroup, and keep the repacked copy of its
+        layers (engine/repacked.py) in a cache of its own, as its model copy is its own (no shared page cache)."""
+        cache = str(self.workdir / device.name / "cache")
+
+        def setup() -> None:
+            group.preexec()
+            os.environ["PRIMAPLUG_CACHE"] = cache
+
+        return setup
+
     @property
     def addresses(self) -> list[str]:
         assert self.nodes is not None
@@ -98,7 +109,9 @@ class Testbed:
         if self.links:
             self.proxy = LinkProxy()
         self.nodes = LocalNodes(copies, len(self.devices), log_dir=self.workdir / "logs", extra_args=self.node_args,
-                                preexec=[g.preexec for g in self.groups], names=[d.name for d in self.devices])
+                                preexec=[self._device_setup(g, d) for g, d in zip(self.groups, self.devices,
+                                                                                  strict=True)],
+                                names=[d.name for d in self.devices])
         self.nodes.start()
         if self.head_group is not None:
             self.head_group.add(os.getpid())  # from here on this process is the head device

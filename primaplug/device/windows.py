@@ -95,7 +95,7 @@ class DeviceWindows:
         """Plan memory for the windows of `ranges` (one per round; empty ones relay), map the model and open them.
         `output`: this device also runs the output layer (the head)."""
         from primaplug.engine import Model
-        from primaplug.engine.repacked import copied_bytes
+        from primaplug.engine.repacked import CHUNK_BYTES, copied_bytes
 
         ranges, memory = list(ranges), memory or MemorySettings()
         used = [r for r in ranges if r.n_layers]
@@ -107,11 +107,11 @@ class DeviceWindows:
         progress(0.05, f"mapping {os.path.basename(os.fspath(path))} for windows {names}; {plan.describe()}")
         if plan.prefetch.mode == "stream":
             log.info("windows %s do not fit in memory: %s", names, plan.describe())
-        model = Model(path, used, output=output, gpu_layers=gpu_layers, layout=layout,
+        # writing the repacked copy (once) loads layers with llama.cpp's repacking on: half the budget at a time
+        chunk = min(CHUNK_BYTES, max(0, plan.prefetch.budget_bytes) // 2)
+        model = Model(path, used, output=output, gpu_layers=gpu_layers, layout=layout, copy_chunk_bytes=chunk,
                       progress=lambda f, what: progress(0.05 + 0.05 * f, what))
-        if model.copy:
-            log.info("windows %s mapped from the repacked copy %s (the kernels of plain llama.cpp on this CPU)",
-                     names, model.copy.path)
+        log.info("windows %s: %s", names, model.describe_kernels())
         hooks = PrefetchHooks(ranges, per_layer=plan.per_layer)
         try:
             if used:

@@ -27,7 +27,7 @@ from primaplug.engine import _log, _native
 from primaplug.engine.affinity import on_cpu, pinned_cpus
 from primaplug.engine.layout import ModelLayout, read_layout
 from primaplug.engine.progress import LayerProgress
-from primaplug.engine.repacked import RepackedCopy, needs_copy, repacked_copy
+from primaplug.engine.repacked import CHUNK_BYTES, RepackedCopy, needs_copy, repacked_copy
 
 # ggml's polling level (llama.cpp's own default) for compute threads that are about to be given work: windows
 # chained in one process, and a node's window from the moment its input arrives. Whoever sets it pauses the pool
@@ -93,6 +93,7 @@ class Model:
             are, with the slower kernels: other logits than plain llama.cpp.
         layout: the file's layout when the caller has already read it (read from the header otherwise).
         progress: told (fraction, what) how writing the repacked copy goes, when it must be written.
+        copy_chunk_bytes: layers loaded at a time to write the repacked copy: the anonymous memory that takes.
     """
 
     def __init__(
@@ -105,6 +106,7 @@ class Model:
         repack: bool = True,
         layout: ModelLayout | None = None,
         progress: Callable[[float, str], None] | None = None,
+        copy_chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         self.path = os.fspath(path)
         self.layout: ModelLayout = layout or read_layout(self.path)
@@ -122,9 +124,11 @@ class Model:
         _log.install()
         _ll.llama_backend_init()
         cpu_layers = self.layers - gpu
+        self.repack = repack
         self.copy: RepackedCopy | None = None
         if repack and needs_copy(self.layout, cpu_layers, output):
-            self.copy = repacked_copy(self.layout, cpu_layers, gpu, output=output, progress=progress)
+            self.copy = repacked_copy(self.layout, cpu_layers, gpu, output=output, progress=progress,
+                                      chunk_bytes=copy_chunk_bytes)
         self.source = self.copy.path if self.copy else self.path  # the file mapped: prefetch and release this one
         cpu = _native.LLAMA_WINDOW_PLACEMENT_CPU_REPACKED if self.copy else _native.LLAMA_WINDOW_PLACEMENT_CPU
         placement = (ctypes.c_uint8 * (n_layer + 1))()
@@ -144,6 +148,18 @@ class Model:
         self._stack = ExitStack()
         self._stack.callback(_ll.llama_model_free, ptr)
         self._pools: dict[tuple[int, int, bool], tuple[int, int | None]] = {}
+
+    def describe_kernels(self) -> str:
+        """Which weights this model runs, and so which kernels: what a node says of its windows at load."""
+        if self.copy is None:
+            if not self.repack:
+                return "the file's weights as they are (repacking off: llama.cpp's other kernels, other logits)"
+            return "mapped from the model file: this CPU repacks none of their types (plain llama.cpp runs the same)"
+        if not self.copy.repacked:
+            return (f"mapped from {self.copy.path}, which holds them as the file does: llama.cpp repacks none of them "
+                    "on this CPU")
+        return (f"mapped from the repacked copy {self.copy.path} ({self.copy.repacked_bytes / 2**20:.0f} MiB "
+                "repacked as plain llama.cpp repacks them on this CPU, so with its kernels)")
 
     def _copied_bytes(self) -> int:
         """Weights llama.cpp repacked into anonymous memory at load, as plain llama.cpp does: those not in the

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 Progress = Callable[[float, str], None]  # (fraction done, what is being done)
 
 FORMAT = 1  # of the manifest beside each copy
-CHUNK_BYTES = 256 << 20  # layers repacked per load while building: the most anonymous memory a build takes
+CHUNK_BYTES = 256 << 20  # layers repacked per load while building (default): the anonymous memory a build takes
 # the parts of a copy, each written whole: "blk.N" (a CPU layer, repacked), "blk.N.raw" (a GPU layer: the GPU
 # backend takes the file's bytes), and the tensors outside layers
 INPUT, OUTPUT, GLOBALS = "input", "output", "globals"
@@ -120,9 +120,11 @@ def unit_tensors(layout: ModelLayout, unit: str) -> list[TensorSpan]:
 
 
 def repacked_copy(layout: ModelLayout, cpu_layers: Iterable[int], gpu_layers: Iterable[int] = (), *, output: bool,
-                  cache_dir: Path | None = None, progress: Progress | None = None) -> RepackedCopy:
+                  cache_dir: Path | None = None, progress: Progress | None = None,
+                  chunk_bytes: int = CHUNK_BYTES) -> RepackedCopy:
     """The repacked copy of `layout`'s model holding these layers (and the output layer), written first for
-    whatever it lacks. Safe against other processes doing the same (one writes, the others wait)."""
+    whatever it lacks, `chunk_bytes` of layers at a time (at least one layer). Safe against other processes doing
+    the same (one writes, the others wait)."""
     folder = cache_dir or default_dir()
     folder.mkdir(parents=True, exist_ok=True)
     key = _key(layout)
@@ -133,7 +135,7 @@ def repacked_copy(layout: ModelLayout, cpu_layers: Iterable[int], gpu_layers: It
         missing = [u for u in units if u not in manifest["units"]]
         built = 0
         if missing:
-            built = _build(layout, path, manifest, missing, progress or (lambda _f, _w: None))
+            built = _build(layout, path, manifest, missing, progress or (lambda _f, _w: None), chunk_bytes)
     names = frozenset(n for u in units for n in manifest["units"][u])
     sizes = {t.name: t.nbytes for u in units for t in unit_tensors(layout, u)}
     return RepackedCopy(os.fspath(path), names, sum(sizes[n] for n in names), built)
@@ -201,7 +203,8 @@ def _write_manifest(path: Path, manifest: dict) -> None:
     os.replace(tmp, path.with_suffix(".json"))
 
 
-def _build(layout: ModelLayout, path: Path, manifest: dict, missing: list[str], progress: Progress) -> int:
+def _build(layout: ModelLayout, path: Path, manifest: dict, missing: list[str], progress: Progress,
+           chunk_bytes: int) -> int:
     total = sum(t.nbytes for u in missing for t in unit_tensors(layout, u))
     free = shutil.disk_usage(path.parent).free
     if total + (64 << 20) > free:
@@ -214,7 +217,7 @@ def _build(layout: ModelLayout, path: Path, manifest: dict, missing: list[str], 
     fd_out = os.open(path, os.O_WRONLY)
     fd_in = os.open(layout.path, os.O_RDONLY)
     try:
-        for chunk in _chunks(layout, missing):
+        for chunk in _chunks(layout, missing, chunk_bytes):
             progress(done / max(total, 1), f"repacking {_describe(chunk)} for this CPU into {path.name} (once)")
             spans = {t.name: t for u in chunk for t in unit_tensors(layout, u)}
             # llama.cpp repacks only what CPU layers and the output layer multiply by; a tied lm_head's repacked
@@ -243,13 +246,13 @@ def _build(layout: ModelLayout, path: Path, manifest: dict, missing: list[str], 
     return total
 
 
-def _chunks(layout: ModelLayout, units: list[str]) -> Iterator[list[str]]:
-    """Units grouped so that each load repacks at most about CHUNK_BYTES (a unit larger than that goes alone)."""
+def _chunks(layout: ModelLayout, units: list[str], chunk_bytes: int) -> Iterator[list[str]]:
+    """Units grouped so that each load repacks at most about chunk_bytes (a unit larger than that goes alone)."""
     chunk: list[str] = []
     size = 0
     for u in units:
         n = sum(t.nbytes for t in unit_tensors(layout, u))
-        if chunk and size + n > CHUNK_BYTES:
+        if chunk and size + n > chunk_bytes:
             yield chunk
             chunk, size = [], 0
         chunk.append(u)
