@@ -214,6 +214,8 @@ def main() -> int:
     ap.add_argument("--split", choices=("model", "hand"), default="model",
                     help="windows chosen by the ring's latency model (default) or by hand (memory, then disk)")
     ap.add_argument("--fit-trials", type=int, default=3)
+    ap.add_argument("--quick", action="store_true",
+                    help="prefetch and release only: no ablations (about a third of the time)")
     ap.add_argument("--memory-factor", type=float, default=1.0,
                     help="multiply every device's memory (2: the second device set of docs/memory.md)")
     ap.add_argument("--workdir", default=str(CACHE / "testbed"), help="model copies and node logs")
@@ -245,7 +247,8 @@ def main() -> int:
         if r.get("killed"):
             raise SystemExit("plain llama-cpp-python without repacking was killed too: the cap is too small")
         _line(f"plain on {largest.name}", r)
-        for name, flags in VARIANTS.items():
+        variants = dict(list(VARIANTS.items())[:1]) if a.quick else VARIANTS
+        for name, flags in variants.items():
             runs[f"k=1 {name}"] = r = ring_run(devices, model, work, rounds=1, flags=flags, **kw)
             _line(f"k=1 {name}", r)
         best = None
@@ -256,7 +259,7 @@ def main() -> int:
             _line(f"k={k} prefetch+release", r)
             if best is None or r["tpot_s"] < runs[f"k={best} prefetch+release"]["tpot_s"]:
                 best = k
-        for name, flags in list(VARIANTS.items())[1:]:
+        for name, flags in list(variants.items())[1:]:
             runs[f"k={best} {name}"] = r = ring_run(devices, model, work, rounds=best, flags=flags, **kw)
             _line(f"k={best} {name}", r)
         fit: dict[str, list[float]] = {"on": [], "off": []}
@@ -273,7 +276,7 @@ def main() -> int:
         return 130
 
     def tpot(name: str) -> float:
-        return runs[name]["tpot_s"]
+        return runs[name]["tpot_s"] if name in runs else float("nan")  # an ablation --quick left out
 
     plain = tpot(next(n for n in runs if n.startswith("plain")))
     for r in runs.values():

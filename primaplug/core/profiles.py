@@ -69,6 +69,8 @@ class ModelProfile(msgspec.Struct, frozen=True, kw_only=True):
     layer_bytes: int  # b: weight bytes of one transformer layer (the mean when layers differ)
     input_bytes: int  # b_i: the token embedding matrix (one row of it is read per token)
     output_bytes: int  # b_o: output norm and lm_head
+    # the head's anonymous copy of a tied lm_head, repacked at load as plain llama.cpp does (ModelLayout)
+    output_copy_bytes: int = 0
     # FLOPs per token of one layer and of the output layer, by the quantization type of the weights (f^q, f^q_out)
     layer_flops: dict[str, float]
     output_flops: dict[str, float]

@@ -95,12 +95,12 @@ class DeviceWindows:
         """Plan memory for the windows of `ranges` (one per round; empty ones relay), map the model and open them.
         `output`: this device also runs the output layer (the head)."""
         from primaplug.engine import Model
-        from primaplug.engine.repacked import CHUNK_BYTES, copied_bytes
+        from primaplug.engine.repacked import CHUNK_BYTES
 
         ranges, memory = list(ranges), memory or MemorySettings()
         used = [r for r in ranges if r.n_layers]
         # what llama.cpp copies out of the mapping at load, as plain llama.cpp does (a tied lm_head, repacked)
-        extra_reserved += copied_bytes(layout, output)
+        extra_reserved += layout.output_copy_bytes if output else 0
         plan = plan_memory(layout, used, n_ctx=context.n_ctx, n_batch=context.n_batch, n_ubatch=context.n_ubatch,
                            memory=memory, extra_reserved=extra_reserved, extra_weights=extra_weights)
         names = ", ".join(map(str, used)) or "(relay only)"

@@ -30,6 +30,8 @@ from primaplug.core.windows import LayerRange
 # llama_window_supported_archs() in the engine (a test checks it).
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
+# ggml types that llama.cpp's CPU backend can repack for faster kernels (ggml-cpu/repack.cpp; engine/repacked.py)
+REPACKABLE = frozenset({"Q1_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q8_0", "IQ4_NL", "MXFP4"})
 # Gemma 3 alternates five sliding-window layers with one global layer (llama.cpp: load_swa_pattern(ml, 6)).
 _SWA_PATTERN = {"gemma3": 6}
 
@@ -129,6 +131,14 @@ class ModelLayout:
     def output_tied(self) -> bool:
         """True when the lm_head is the token embedding matrix (no output.weight in the file)."""
         return self.tensor("output.weight") is None
+
+    @property
+    def output_copy_bytes(self) -> int:
+        """What the output layer copies out of the mapping at load, as plain llama.cpp does: a tied lm_head's
+        repacked copy of the token embedding (the embedding lookup needs the file's bytes as they are). An upper
+        bound: a CPU that repacks nothing copies nothing."""
+        embd = self.tensor("token_embd.weight")
+        return embd.nbytes if self.output_tied and embd and embd.type_name in REPACKABLE else 0
 
     @property
     def input_bytes(self) -> int:

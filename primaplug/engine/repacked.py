@@ -39,7 +39,7 @@ from llama_cpp import llama_cpp as _ll
 from primaplug.core.errors import EngineError
 from primaplug.core.settings import cache_root
 from primaplug.engine import _log, _native
-from primaplug.engine.layout import ModelLayout, TensorSpan
+from primaplug.engine.layout import REPACKABLE, ModelLayout, TensorSpan
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +50,6 @@ CHUNK_BYTES = 256 << 20  # layers repacked per load while building (default): th
 # the parts of a copy, each written whole: "blk.N" (a CPU layer, repacked), "blk.N.raw" (a GPU layer: the GPU
 # backend takes the file's bytes), and the tensors outside layers
 INPUT, OUTPUT, GLOBALS = "input", "output", "globals"
-# ggml types that llama.cpp's CPU backend can repack (ggml-cpu/repack.cpp); a model with none needs no copy
-REPACKABLE = frozenset({"Q1_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q8_0", "IQ4_NL", "MXFP4"})
 
 
 def default_dir() -> Path:
@@ -92,13 +90,6 @@ def needs_copy(layout: ModelLayout, cpu_layers: Iterable[int], output: bool) -> 
     """Whether any weight these CPU layers (or the output layer) run might be repacked."""
     units = units_for(layout, cpu_layers, (), output)
     return any(t.type_name in REPACKABLE for u in units if u != INPUT for t in unit_tensors(layout, u))
-
-
-def copied_bytes(layout: ModelLayout, output: bool) -> int:
-    """What llama.cpp repacks into anonymous memory at load beside a copy, as plain llama.cpp does: the output
-    layer's copy of a tied token embedding (the file's bytes must stay as they are for the embedding lookup)."""
-    embd = layout.tensor("token_embd.weight")
-    return embd.nbytes if output and layout.output_tied and embd and embd.type_name in REPACKABLE else 0
 
 
 def _layer_of(unit: str) -> int | None:

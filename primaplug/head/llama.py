@@ -23,11 +23,11 @@ from primaplug.core.settings import RunSettings, head_threads
 from primaplug.device import DeviceWindows, MemorySettings
 from primaplug.engine import BUSY_POLL, ContextSettings, read_layout
 from primaplug.engine.ring_llama import RingLlama
-from primaplug.memory.prefetcher import Switches
 from primaplug.head.cluster import Cluster, ClusterSettings, Route
 from primaplug.head.events import Events
 from primaplug.head.planning import PlanSettings, measure, plan_cluster
 from primaplug.head.session import Session
+from primaplug.memory.prefetcher import Switches
 from primaplug.profiler import compute_buffer_output_bytes
 from primaplug.scheduler import SCHEDULERS, Plan
 from primaplug.transport import Transport, ZmqTransport, load_keys
@@ -140,7 +140,8 @@ class Llama(RingLlama):
                                       poll=BUSY_POLL)
             self._device = DeviceWindows.load(
                 path, layout, cluster.head_ranges, context=context,
-                memory=MemorySettings(budget_bytes=memory_budget, switches=memory_switches or Switches()), output=True, extra_reserved=compute_buffer_output_bytes(layout, n_ctx, n_batch, n_ubatch),
+                memory=MemorySettings(budget_bytes=memory_budget, switches=memory_switches or Switches()),
+                output=True, extra_reserved=compute_buffer_output_bytes(layout, n_ctx, n_batch, n_ubatch),
                 extra_weights=layout.output_bytes)
             cluster.deploy()
             self.session = Session(cluster.ring(self._device), n_batch=n_batch, events=self.events)

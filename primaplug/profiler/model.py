@@ -168,6 +168,7 @@ def profile_model(layout: ModelLayout, *, n_ctx: int, n_batch: int, n_ubatch: in
         layer_bytes=round(sum(layout.layer_bytes(il) for il in range(n_layer)) / n_layer),
         input_bytes=layout.input_bytes,
         output_bytes=layout.output_bytes,
+        output_copy_bytes=layout.output_copy_bytes,
         layer_flops={q: per_layer[q] / n_layer for q in QUANT_TYPES if per_layer.get(q)},
         output_flops={q: f for q, f in sorted(output_flops(layout).items(), key=lambda x: QUANT_TYPES.index(x[0]))},
         kv_bytes_per_token_layer=round(kv),

@@ -155,7 +155,7 @@ def platform(
     t_cpu, t_gpu, m_cpu, m_gpu, copy, comm, disk = ([] for _ in range(7))
     ram_cap, vram_cap = [], []
     c_cpu, c_gpu = model.compute_buffer_cpu_bytes, model.compute_buffer_gpu_bytes
-    ram_head = np.where(head, head_extra + model.compute_buffer_output_bytes, 0)
+    ram_head = np.where(head, head_extra + model.output_copy_bytes + model.compute_buffer_output_bytes, 0)
     ram_window = np.where(kind == MACOS_METAL, c_cpu + c_gpu, c_cpu)
     # a window gives its CPU buffer's pages back after a prompt (engine: ContextSettings.release_compute); Metal's
     # buffers are the GPU's and are not given back
