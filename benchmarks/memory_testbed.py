@@ -216,6 +216,9 @@ def main() -> int:
     ap.add_argument("--fit-trials", type=int, default=3)
     ap.add_argument("--quick", action="store_true",
                     help="prefetch and release only: no ablations (about a third of the time)")
+    ap.add_argument("--ring-only", metavar="K,K", help="only the ring at these k, with --node-flag; prints, writes "
+                    "nothing (for comparing node flags)")
+    ap.add_argument("--node-flag", action="append", default=[], help="a flag for every node (with --ring-only)")
     ap.add_argument("--memory-factor", type=float, default=1.0,
                     help="multiply every device's memory (2: the second device set of docs/memory.md)")
     ap.add_argument("--workdir", default=str(CACHE / "testbed"), help="model copies and node logs")
@@ -233,6 +236,11 @@ def main() -> int:
     work = Path(a.workdir)
     kw = dict(tokens=a.tokens, prompt=a.prompt, threads=a.threads, split=a.split)
     runs: dict[str, Any] = {}
+    if a.ring_only:
+        for k in (int(x) for x in a.ring_only.split(",")):
+            r = ring_run(devices, model, work, rounds=k, flags=a.node_flag, **kw)
+            _line(f"k={k} {' '.join(a.node_flag)} (layers per round {' '.join(map(str, r['layers_per_round']))})", r)
+        return 0
     s_per_byte = compute_rate(small, a.threads, a.prompt)
     print(f"  compute: plain llama-cpp-python decodes {1 / s_per_byte / 1e9:.2f} GB of weights a second "
           f"(uncapped, {small.name})", file=sys.stderr)
@@ -324,13 +332,14 @@ def main() -> int:
         "runs": runs,
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "memory_testbed.json").write_text(json.dumps(results, indent=2) + "\n")
-    chart(results, RESULTS / "memory_testbed.png")
+    stem = "memory_testbed" if a.memory_factor == 1 else f"memory_testbed_memory_x{a.memory_factor:g}"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+    chart(results, RESULTS / f"{stem}.png")
     print("\n".join(f"{k}: {v:.2f}x" for k, v in ratios.items()), file=sys.stderr)
     print(f"largest memory pressure on a node with prefetch and release, every k (target <= 6%): {product:.1%}",
           file=sys.stderr)
     print(f"largest memory pressure on a node, ablations included: {pressure:.1%}", file=sys.stderr)
-    print(f"wrote {RESULTS / 'memory_testbed.json'} and memory_testbed.png", file=sys.stderr)
+    print(f"wrote {RESULTS / stem}.json and {stem}.png", file=sys.stderr)
     return 0
 
 

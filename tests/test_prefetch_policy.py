@@ -95,3 +95,29 @@ def test_what_a_prefetch_leaves_to_fault_in() -> None:
 def test_a_single_window_without_keep_streams_it_all() -> None:
     plan = plan_prefetch([WINDOWS[0] + WINDOWS[1]], 20 * MiB, keep=False)
     assert plan.keep_bytes == 0 and sum(plan.stream_bytes) == 32 * MiB and plan.prefetch_room == 20 * MiB
+
+
+def test_layer_by_layer_prefetches_as_many_layers_ahead_as_fit_whole() -> None:
+    """--layer-streaming: each layer is prefetched whole (with read-ahead) as soon as it fits beside those in
+    flight, in ring order, wrapping round to the next token's first; a layer done makes room for the next."""
+    layers = [[r] for w in WINDOWS for r in w]  # six 8 MiB layers
+    plan = plan_prefetch(layers, 20 * MiB, keep=False, unit="layer")
+    assert plan.lookahead and plan.prefetch_ranges(3) == plan.stream[3]
+    assert plan.unprefetched_bytes(3) == 0
+    s = Schedule(plan)
+    assert s.first() == [Action("prefetch", 0), Action("prefetch", 1)], "two fit in 20 MiB, a third does not"
+    assert s.started(0) == []
+    assert s.done(0) == [Action("release", 0), Action("prefetch", 2)]
+    assert s.done(1) == [Action("release", 1), Action("prefetch", 3)]
+    for i in (2, 3, 4):
+        s.done(i)
+    assert s.done(5) == [Action("release", 5), Action("prefetch", 1)], "the next token's layers follow"
+    assert Schedule(plan, prefetch=False).first() == []
+
+
+def test_layer_by_layer_keeps_room_for_the_slots_asked() -> None:
+    layers = [[r] for w in WINDOWS for r in w]
+    two = plan_prefetch(layers, 32 * MiB, unit="layer")
+    three = plan_prefetch(layers, 32 * MiB, unit="layer", slots=3)
+    assert three.keep_fraction < two.keep_fraction
+    assert three.keep_bytes + 3 * max(three.stream_bytes) <= 32 * MiB

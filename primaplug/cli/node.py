@@ -36,8 +36,8 @@ def add_parser(sub: Any) -> None:
     node.add_argument("--no-release", action="store_true", help="do not drop a streamed window after it ran")
     node.add_argument("--no-keep", action="store_true", help="keep no part of streamed layers resident")
     node.add_argument("--layer-streaming", action="store_true",
-                      help="stream a window that does not fit layer by layer, keeping part of every layer "
-                      "(fewer bytes read, less prefetch ahead; docs/memory.md)")
+                      help="stream a window that does not fit layer by layer, keeping part of every layer and "
+                      "prefetching as many layers ahead as fit (docs/memory.md)")
     node.add_argument("--cpu-strict", choices=("auto", "0", "1"), default="auto",
                       help="pin each compute thread to a core of its own (llama.cpp's name): 1 always, 0 never, "
                       "auto when the threads use every core (default)")

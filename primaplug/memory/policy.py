@@ -37,6 +37,12 @@ class PrefetchPlan:
     unit: str = "window"  # what one entry of `stream` is: a window, or a layer when a node streams layer by layer
 
     @property
+    def lookahead(self) -> bool:
+        """Layer by layer, a device prefetches as many layers ahead as fit beside the kept part (Schedule), each
+        whole and with read-ahead; whole windows prefetch one window ahead, as much of it as prefetch_room."""
+        return self.mode == "stream" and self.unit == "layer"
+
+    @property
     def prefetch_room(self) -> int:
         """Bytes one prefetch may bring in: a window's streamed part, or what is left of the budget when that
         does not fit (the rest of the window then faults in as it computes)."""
@@ -45,9 +51,11 @@ class PrefetchPlan:
 
     def unprefetched_bytes(self, window: int) -> int:
         """What of the window's streamed part a prefetch cannot bring in (it faults in as the window computes)."""
-        return max(0, self.stream_bytes[window] - self.prefetch_room)
+        return 0 if self.lookahead else max(0, self.stream_bytes[window] - self.prefetch_room)
 
     def prefetch_ranges(self, window: int) -> Ranges:
+        if self.lookahead:  # the schedule asks for a layer only once it fits whole
+            return self.stream[window]
         out, left = [], self.prefetch_room
         for off, n in self.stream[window]:
             if left <= 0:
@@ -72,10 +80,10 @@ class PrefetchPlan:
         sizes = self.stream_bytes
         each = ", ".join(f"{b >> 20} MiB" for b in sizes) if len(sizes) <= 4 else \
             f"{len(sizes)} x {sum(sizes) // len(sizes) >> 20} MiB"
-        when = "starts" if self.early else "is released"
+        when = "as many layers ahead as fit" if self.lookahead else \
+            f"when the previous {self.unit} {'starts' if self.early else 'is released'}"
         return (f"streaming {each} per {self.unit}, keeping {self.keep_fraction:.0%} of every layer "
-                f"({self.keep_bytes >> 20} MiB) within {self.budget_bytes >> 20} MiB, prefetch when the previous "
-                f"{self.unit} {when}")
+                f"({self.keep_bytes >> 20} MiB) within {self.budget_bytes >> 20} MiB, prefetch {when}")
 
 
 def _split(ranges: Sequence[tuple[int, int]], fraction: float) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -92,7 +100,7 @@ def _split(ranges: Sequence[tuple[int, int]], fraction: float) -> tuple[list[tup
 
 
 def plan_prefetch(windows: Sequence[Sequence[tuple[int, int]]], budget_bytes: int, *,
-                  keep: bool = True, unit: str = "window") -> PrefetchPlan:
+                  keep: bool = True, unit: str = "window", slots: int | None = None) -> PrefetchPlan:
     """Plan for windows (or layers: `unit`) given as their tensors' byte ranges, within a budget for weights.
 
     With keep, the kept fraction is the largest that still leaves room for two streamed units at once
@@ -101,6 +109,7 @@ def plan_prefetch(windows: Sequence[Sequence[tuple[int, int]]], budget_bytes: in
     emulated cluster and ran 1.65x slower in a one-off run (docs/memory.md): the kernel cannot tell kept pages
     from the streamed ones faulting in beside them and evicts both. With --layer-streaming a node plans such a
     window layer by layer instead (node/deployment.py), releasing each layer as soon as it is done.
+    `slots`: the streamed units the kept fraction leaves room for, instead of two (or one).
     """
     # sizes in whole pages: the kernel keeps and drops whole pages, and a layer's tensors rarely start on one
     # (with a layer per unit the rounding came to some 30 pages over the budget)
@@ -113,7 +122,7 @@ def plan_prefetch(windows: Sequence[Sequence[tuple[int, int]]], budget_bytes: in
     early = budget_bytes >= 2 * largest
     fraction = 0.0
     if keep:
-        slots = 2 if early else 1  # f * total + slots * (1 - f) * largest <= budget
+        slots = slots or (2 if early else 1)  # f * total + slots * (1 - f) * largest <= budget
         room, need = budget_bytes - slots * largest, total - slots * largest
         fraction = max(0.0, min(MAX_KEEP, room / need)) if need > 0 and room > 0 else 0.0
     kept: list[tuple[int, int]] = []
@@ -131,6 +140,23 @@ class Schedule:
     def __init__(self, plan: PrefetchPlan, *, prefetch: bool = True, release: bool = True) -> None:
         self.plan, self.prefetch, self.release = plan, prefetch, release
         self.n = len(plan.stream)
+        # lookahead: the units asked for and not yet done, in order, and the next unit to ask for
+        self._ahead: list[int] = []
+        self._cursor = 0
+
+    def _fill(self) -> list[Action]:
+        """Lookahead: ask for the next units, in ring order, while they fit whole beside those in flight."""
+        if not self.prefetch:
+            return []
+        sizes = self.plan.stream_bytes
+        room = self.plan.budget_bytes - self.plan.keep_bytes - sum(sizes[u] for u in self._ahead)
+        acts = []
+        while len(self._ahead) < self.n and sizes[self._cursor] <= room:
+            acts.append(Action("prefetch", self._cursor))
+            self._ahead.append(self._cursor)
+            room -= sizes[self._cursor]
+            self._cursor = self._next(self._cursor)
+        return acts
 
     def _next(self, i: int) -> int:
         return (i + 1) % self.n
@@ -139,10 +165,11 @@ class Schedule:
         """Before the first token: bring in the first window (everything, when it all fits)."""
         if self.plan.mode == "resident" or not self.prefetch:
             return []
-        return [Action("prefetch", 0)]
+        return self._fill() if self.plan.lookahead else [Action("prefetch", 0)]
 
     def started(self, i: int) -> list[Action]:
-        if self.plan.mode == "resident" or not self.prefetch or not self.plan.early or self.n == 1:
+        if self.plan.mode == "resident" or not self.prefetch or not self.plan.early or self.n == 1 or \
+                self.plan.lookahead:
             return []
         return [Action("prefetch", self._next(i))]
 
@@ -150,6 +177,10 @@ class Schedule:
         if self.plan.mode == "resident":
             return []
         acts = [Action("release", i)] if self.release else []
+        if self.plan.lookahead:
+            if i in self._ahead:
+                self._ahead.remove(i)
+            return acts + self._fill()
         if self.prefetch and (not self.plan.early or self.n == 1):
             acts.append(Action("prefetch", self._next(i)))
         return acts
