@@ -59,8 +59,11 @@ class Prefetcher:
         self._thread.start()
         log.info("memory: %s; prefetch by %s, release by %s", plan.describe(), self.advisor.mode,
                  self.advisor.release_mode)
-        if plan.mode == "stream" and switches.keep and switches.prefetch and plan.keep:
-            self._submit(Action("prefetch", -1))  # the kept part, once (without prefetch it faults in on first use)
+        # the kept part, once, with read-ahead: a streaming plan's kept fraction, or a resident plan's whole windows
+        # (as plain llama.cpp populates its mapping at load). Without it, it faults in page by page on first use, at
+        # a fraction of the disk's rate (docs/memory.md): a 1.9 GB model's first token took 50 s here, 3.6 s with it.
+        if switches.prefetch and plan.keep and (plan.mode == "resident" or switches.keep):
+            self._submit(Action("prefetch", -1))
         for a in self.schedule.first():
             self._submit(a)
 
