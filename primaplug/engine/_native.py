@@ -134,6 +134,22 @@ _ggml_base = _sibling("ggml-base")
 _ggml_cpu = _sibling("ggml-cpu")
 
 
+def load_for_windows(path: str, placement: ctypes.Array[ctypes.c_uint8], *, repack: bool, purpose: str) -> int:
+    """llama_model_load_for_windows on the file mapping (repack: llama.cpp's use_extra_bufts); raises EngineError
+    with llama.cpp's own reason. `purpose` completes "could not load PATH ..."."""
+    from primaplug.engine import _log
+
+    _log.install()
+    _ll.llama_backend_init()
+    params = _ll.llama_model_default_params()
+    params.use_extra_bufts = repack
+    params.load_mode = _ll.LLAMA_LOAD_MODE_MMAP
+    ptr = llama_model_load_for_windows(path.encode(), params, placement, len(placement))
+    if not ptr:
+        raise EngineError(f"could not load {path} {purpose}: {_log.take_errors() or 'see the log'}")
+    return ptr
+
+
 def ggml_cpu_path() -> str:
     """The CPU backend library in use: its code decides how weights are repacked (engine/repacked.py)."""
     return _ggml_cpu._name

@@ -121,8 +121,6 @@ class Model:
         if not gpu <= self.layers:
             raise WindowRangeError(f"GPU layers {sorted(gpu - self.layers)} are not in this model's windows")
 
-        _log.install()
-        _ll.llama_backend_init()
         cpu_layers = self.layers - gpu
         self.repack = repack
         self.copy: RepackedCopy | None = None
@@ -136,13 +134,7 @@ class Model:
             placement[il] = _native.LLAMA_WINDOW_PLACEMENT_GPU if il in gpu else cpu
         placement[n_layer] = cpu if output else _native.LLAMA_WINDOW_PLACEMENT_SKIP
 
-        params = _ll.llama_model_default_params()
-        params.use_extra_bufts = repack
-        params.load_mode = _ll.LLAMA_LOAD_MODE_MMAP
-        ptr = _native.llama_model_load_for_windows(self.source.encode(), params, placement, n_layer + 1)
-        if not ptr:
-            raise EngineError(f"could not load {self.source} for windows: {_log.take_errors() or 'see the log'}")
-        self._ptr = ptr
+        self._ptr = ptr = _native.load_for_windows(self.source, placement, repack=repack, purpose="for windows")
         self.copied_bytes = self._copied_bytes()
         self._vocab = _ll.llama_model_get_vocab(ptr)
         self._stack = ExitStack()

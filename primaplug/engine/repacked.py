@@ -38,7 +38,7 @@ from llama_cpp import llama_cpp as _ll
 
 from primaplug.core.errors import EngineError
 from primaplug.core.settings import cache_root
-from primaplug.engine import _log, _native
+from primaplug.engine import _native
 from primaplug.engine.layout import REPACKABLE, ModelLayout, TensorSpan
 
 log = logging.getLogger(__name__)
@@ -276,14 +276,7 @@ def _repack(layout: ModelLayout, units: list[str], spans: dict[str, TensorSpan],
         written.add(span.name)
 
     callback = _native.llama_repacked_tensor_callback(on_tensor)
-    _log.install()
-    _ll.llama_backend_init()
-    params = _ll.llama_model_default_params()
-    params.use_extra_bufts = True
-    params.load_mode = _ll.LLAMA_LOAD_MODE_MMAP
-    ptr = _native.llama_model_load_for_windows(layout.path.encode(), params, placement, n_layer + 1)
-    if not ptr:
-        raise EngineError(f"could not load {layout.path} to repack it: {_log.take_errors() or 'see the log'}")
+    ptr = _native.load_for_windows(layout.path, placement, repack=True, purpose="to repack it")
     try:
         _native.llama_model_repacked_tensors(ptr, callback, None)
     finally:
