@@ -96,6 +96,11 @@ def _layer_of(unit: str) -> int | None:
     return int(unit.split(".")[1]) if unit.startswith("blk.") else None
 
 
+def _runs_on_cpu(unit: str) -> bool:
+    """A CPU layer or the output layer: the units whose weights llama.cpp may repack."""
+    return unit == OUTPUT or (unit.startswith("blk.") and not unit.endswith(".raw"))
+
+
 def unit_tensors(layout: ModelLayout, unit: str) -> list[TensorSpan]:
     il = _layer_of(unit)
     if il is not None:
@@ -213,8 +218,7 @@ def _build(layout: ModelLayout, path: Path, manifest: dict, missing: list[str], 
             spans = {t.name: t for u in chunk for t in unit_tensors(layout, u)}
             # llama.cpp repacks only what CPU layers and the output layer multiply by; a tied lm_head's repacked
             # copy of the token embedding is reported too, but the file's embedding must stay as it is
-            cpu = {t.name: t for u in chunk if u not in (INPUT, GLOBALS) and not u.endswith(".raw")
-                   for t in unit_tensors(layout, u)}
+            cpu = {t.name: t for u in chunk if _runs_on_cpu(u) for t in unit_tensors(layout, u)}
             repacked = _repack(layout, chunk, cpu, fd_out)
             for name, span in spans.items():
                 if name not in repacked:
@@ -256,13 +260,10 @@ def _repack(layout: ModelLayout, units: list[str], spans: dict[str, TensorSpan],
     """Load these units with llama.cpp's repacking on and write each weight it repacked into the copy."""
     n_layer = layout.n_layer
     placement = (ctypes.c_uint8 * (n_layer + 1))()
-    for u in units:
-        if u.startswith("blk.") and not u.endswith(".raw"):
-            placement[int(u[4:])] = _native.LLAMA_WINDOW_PLACEMENT_CPU
-    if not any(placement) and OUTPUT not in units:
+    for u in filter(_runs_on_cpu, units):
+        placement[n_layer if u == OUTPUT else int(u[4:])] = _native.LLAMA_WINDOW_PLACEMENT_CPU
+    if not any(placement):
         return set()  # raw units only
-    if OUTPUT in units:
-        placement[n_layer] = _native.LLAMA_WINDOW_PLACEMENT_CPU
     written: set[str] = set()
 
     def on_tensor(name: bytes, data: int, size: int, _user: object) -> None:
@@ -301,6 +302,12 @@ def _drop_cache(fd: int, offset: int, n: int) -> None:
 
 def _describe(units: list[str]) -> str:
     layers = sorted({il for u in units if (il := _layer_of(u)) is not None})
-    parts = [f"layers {layers[0]}-{layers[-1]}" if len(layers) > 1 else f"layer {layers[0]}"] if layers else []
+    parts = []
+    if len(layers) == 1:
+        parts.append(f"layer {layers[0]}")
+    elif layers:
+        contiguous = layers[-1] - layers[0] + 1 == len(layers)
+        parts.append(f"layers {layers[0]}-{layers[-1]}" if contiguous else
+                     f"{len(layers)} layers between {layers[0]} and {layers[-1]}")
     parts += [u for u in units if u in (INPUT, OUTPUT)]
     return ", ".join(parts) or "the model's small tensors"
