@@ -138,3 +138,35 @@ def test_without_the_copy_the_kernels_round_differently(model_dir: Path) -> None
     print(f"largest logit difference, of the largest logit: {exact:.1e} mapped repacked, {raw:.1e} as in the file")
     assert exact <= 1e-5, "the output layer alone may round its one row apart from plain's batch, no more"
     assert raw > 100 * max(exact, 1e-7)
+
+
+def test_a_disk_without_room_for_the_copy_is_named(model_dir: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    from primaplug.core.errors import EngineError
+    from primaplug.engine import Model
+    from tests.conftest import synthetic_path
+
+    monkeypatch.setenv("PRIMAPLUG_CACHE", str(tmp_path))
+    path = synthetic_path(model_dir, "llama", 9, "Q4_K_M")
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage._replace(free=1 << 20))
+    with pytest.raises(EngineError, match=r"needs .* GiB in .*repacked, which has 0\.00 GiB free.*PRIMAPLUG_CACHE"):
+        Model(path, [(0, 9)])
+
+
+def test_an_unreadable_manifest_makes_the_copy_anew(model_dir: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crash while writing, or a damaged cache: the copy is written again, never trusted half-made."""
+    from primaplug.engine import Model
+    from tests.conftest import synthetic_path
+
+    monkeypatch.setenv("PRIMAPLUG_CACHE", str(tmp_path))
+    path = synthetic_path(model_dir, "llama", 9, "Q4_K_M")
+    prompt = [3 + 5 * i for i in range(40)]
+    with Model(path, [(0, 9)]) as m:
+        Path(m.copy.path).with_suffix(".json").write_text("{not json")
+    with Model(path, [(0, 9)]) as again:
+        assert again.copy is not None and again.copy.built_bytes > 0
+    assert_same(_ring(path, prompt, 4, [9]), _plain(path, prompt, 4))
