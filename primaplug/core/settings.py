@@ -53,3 +53,12 @@ def cache_root() -> Path:
     if base:
         return Path(base)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "primaplug"
+
+
+def config_root() -> Path:
+    """Where primaplug keeps what a user chose (the dashboard's last cluster): $PRIMAPLUG_CONFIG, else
+    $XDG_CONFIG_HOME/primaplug, else ~/.config/primaplug."""
+    base = os.environ.get("PRIMAPLUG_CONFIG")
+    if base:
+        return Path(base)
+    return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "primaplug"

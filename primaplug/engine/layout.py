@@ -81,6 +81,7 @@ class ModelLayout:
     swa_layers: tuple[bool, ...]  # per layer: True for a sliding-window attention layer
     data_offset: int
     tensors: tuple[TensorSpan, ...] = field(repr=False)
+    has_chat_template: bool = False  # tokenizer.chat_template is in the metadata
 
     # --- identity and support ---------------------------------------------------------------------------
 
@@ -310,4 +311,5 @@ def _layout(
         n_ctx_train=int(get("context_length", 0)),
         sliding_window=int(sliding) if sliding else None,
         swa_layers=swa, data_offset=data_offset, tensors=tensors,
+        has_chat_template=bool(kv.get("tokenizer.chat_template")),
     )

@@ -27,7 +27,16 @@ from primaplug.head.nodes import NodeClient
 from primaplug.head.ring import RingHead
 from primaplug.scheduler import Plan
 from primaplug.transport import RingIn, RingOut, Transport, is_loopback, split_address
-from primaplug.wire import PROTOCOL_VERSION, Activation, Assignment, ModelIdentity, WindowSpec, decode_ring, encode_ring
+from primaplug.wire import (
+    PROTOCOL_VERSION,
+    Activation,
+    Assignment,
+    ModelIdentity,
+    Welcome,
+    WindowSpec,
+    decode_ring,
+    encode_ring,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +64,22 @@ class ClusterSettings:
 
     def link(self, sender: str, endpoint: str) -> str:
         return self.route(sender, endpoint) if self.route else endpoint
+
+
+def unique_names(nodes: Sequence[tuple[str, str]]) -> list[str]:
+    """The names nodes go by, from their own names and addresses: two nodes of one name (a host name, say) are
+    told apart by address."""
+    names = [name for name, _ in nodes]
+    return [name if names.count(name) == 1 else f"{name}@{address}" for name, address in nodes]
+
+
+def describe_device(welcome: Welcome) -> str:
+    d = welcome.device
+    return f"{d.os} {d.machine}, {d.cpu_count} cores, {d.mem_total_bytes / 2**30:.1f} GiB"
+
+
+def held_models(welcome: Welcome) -> str:
+    return ", ".join(f"{m.file_name} ({m.identity})" for m in welcome.models) or "no model"
 
 
 class Cluster:
@@ -88,18 +113,13 @@ class Cluster:
     def connect(self) -> None:
         """Say hello to every node and check that each holds the head's model."""
         welcomes = [n.hello() for n in self.nodes]
-        names = [n.name for n in self.nodes]
-        for n in self.nodes:
-            if names.count(n.name) > 1:  # two nodes of one name (a host name, say): tell them apart by address
-                n.name = f"{n.name}@{n.address}"
+        for n, name in zip(self.nodes, unique_names([(n.name, n.address) for n in self.nodes]), strict=True):
+            n.name = name
         wrong = []
         for n, w in zip(self.nodes, welcomes, strict=True):
-            d = w.device
-            self.events.publish(NodeProgress(n.name, "connected", 0.0, f"{d.os} {d.machine}, {d.cpu_count} cores, "
-                                             f"{d.mem_total_bytes / 2**30:.1f} GiB"))
+            self.events.publish(NodeProgress(n.name, "connected", 0.0, describe_device(w)))
             if self.model.identity not in {m.identity for m in w.models}:
-                held = ", ".join(f"{m.file_name} ({m.identity})" for m in w.models)
-                wrong.append(f"{n} holds {held}")
+                wrong.append(f"{n} holds {held_models(w)}")
         if wrong:
             raise NodeError(str(self.nodes[0]), "wrong_model",
                             f"the head runs {self.model.file_name} ({self.model.identity}), but " + "; ".join(wrong)
@@ -195,6 +215,18 @@ class Cluster:
         return NodeUnavailableError(self.nodes[-1].name, f"{what} ({detail}) did not come back round the ring within "
                                     f"{self.settings.timeout_s:.1f} s, though every node answers: check that the "
                                     f"last node, {self.nodes[-1]}, can reach the head at {self._head_in.address}")
+
+    def apply_given_plan(self, plan: Plan) -> None:
+        """Take a plan made earlier for these nodes (named as they name themselves): each of its devices but the
+        head must be one of them."""
+        names = [n.name for n in self.nodes]
+        missing = [d.name for d in plan.ring[:-1] if d.name not in names]
+        if missing:
+            raise ConfigError(f"the plan runs windows on {', '.join(missing)}, which are not among the nodes connected "
+                              f"({', '.join(names) or 'none'}): plan again for the nodes there are")
+        if plan.n_layer != self.model.n_layer:
+            raise ConfigError(f"the plan is for {plan.n_layer} layers, the model has {self.model.n_layer}")
+        self.apply_plan(plan, names)
 
     def apply_plan(self, plan: Plan, names: Sequence[str]) -> None:
         """Take the windows of a plan whose devices are the head and then the nodes (`names[i]` is node i's

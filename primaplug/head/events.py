@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -76,6 +77,7 @@ class NodeMetrics:
 
     node: str
     status: Status
+    busy_share: float = 0.0  # the share of the time since the last report the node spent running windows
 
 
 Event = NodeProgress | Notice | Planned | Deployed | BatchDone | SessionChanged | NodeMetrics
@@ -88,6 +90,7 @@ class NodeView:
     message: str = ""
     windows: tuple[LayerRange, ...] = ()
     metrics: Status | None = None
+    busy_share: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,8 @@ def apply(view: ClusterView, event: Event) -> ClusterView:
             return replace(view, nodes={**view.nodes, node: new})
         case NodeMetrics(node=node):
             old = view.nodes.get(node, NodeView())
-            return replace(view, nodes={**view.nodes, node: replace(old, metrics=event.status)})
+            new = replace(old, metrics=event.status, busy_share=event.busy_share)
+            return replace(view, nodes={**view.nodes, node: new})
         case Notice():
             return replace(view, notice=event.message)
         case Planned():
@@ -172,3 +176,50 @@ class Events:
                 s(event)
             except Exception:  # a subscriber's bug must not stop the ring
                 log.exception("an event subscriber failed on %s", type(event).__name__)
+
+
+class TokenClock:
+    """Times generation from the session's batches, the same way for every front (the dashboard, benchmarks):
+    subscribe it, call start() as a request begins; TTFT runs to the end of the prompt's last batch, and each
+    one-token batch after it is one more generated token (the interval between their ends is the TPOT)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.start()
+
+    def start(self) -> None:
+        with self._lock:
+            self.t0 = time.perf_counter()
+            self.first: float | None = None  # when the prompt's last batch ended
+            self.ends: list[float] = []  # when each generated token's batch ended
+
+    def __call__(self, event: Event) -> None:
+        if not isinstance(event, BatchDone):
+            return
+        now = time.perf_counter()
+        with self._lock:
+            if event.n_tokens > 1 or self.first is None:
+                self.first, self.ends = now, []
+            else:
+                self.ends.append(now)
+
+    @property
+    def ttft_s(self) -> float:
+        return (self.first - self.t0) if self.first is not None else 0.0
+
+    @property
+    def intervals_s(self) -> list[float]:
+        """Each generated token's time, in order."""
+        with self._lock:
+            marks = [self.first, *self.ends] if self.first is not None else []
+        return [b - a for a, b in zip(marks, marks[1:], strict=False)]
+
+    @property
+    def tpot_s(self) -> float:
+        gaps = self.intervals_s
+        return sum(gaps) / len(gaps) if gaps else 0.0
+
+    @property
+    def tokens(self) -> int:
+        """Batches evaluated since the prompt: the tokens generated, less the last (sampled, not evaluated)."""
+        return len(self.ends)

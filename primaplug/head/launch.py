@@ -59,6 +59,7 @@ class LocalNodes:
         self.names = list(names) if names else [f"node{i + 1}" for i in range(n)]
         self.start_timeout_s = start_timeout_s
         self.nodes: list[LocalNode] = []
+        self._spawned: list[tuple[subprocess.Popen[str], str, Path]] = []
 
     @property
     def model(self) -> Path:
@@ -69,6 +70,12 @@ class LocalNodes:
         return [n.address for n in self.nodes]
 
     def start(self) -> list[LocalNode]:
+        self.spawn()
+        return self.wait_ready()
+
+    def spawn(self) -> None:
+        """Start the processes without waiting for them. On Linux a node is stopped when the thread that started it
+        ends (PR_SET_PDEATHSIG), so spawn from a thread that lives as long as the nodes should: the main one."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         procs = []
         for i in range(self.n):
@@ -80,11 +87,15 @@ class LocalNodes:
                 proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
                                         preexec_fn=_child_setup(self.preexec[i]))
             procs.append((proc, name, log_path))
+        self._spawned = procs
+
+    def wait_ready(self) -> list[LocalNode]:
+        """Wait until every spawned node listens (any thread may wait); on a failure, stop them all."""
         try:
-            for proc, name, log_path in procs:
+            for proc, name, log_path in self._spawned:
                 self.nodes.append(self._await_ready(proc, name, log_path))
         except BaseException:
-            for proc, _, _ in procs:
+            for proc, _, _ in self._spawned:
                 _kill(proc)
             raise
         return self.nodes
@@ -104,17 +115,18 @@ class LocalNodes:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM every node, wait, SIGKILL what is left; no zombie stays behind."""
-        for n in self.nodes:
-            if n.proc.poll() is None:
-                n.proc.send_signal(signal.SIGTERM)
+        procs = [p for p, _, _ in self._spawned]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        for n in self.nodes:
+        for proc in procs:
             try:
-                n.proc.wait(max(0.1, deadline - time.monotonic()))
+                proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _kill(n.proc)
-            if n.proc.stdout:
-                n.proc.stdout.close()
+                _kill(proc)
+            if proc.stdout:
+                proc.stdout.close()
 
     def __enter__(self) -> LocalNodes:
         self.start()

@@ -45,6 +45,8 @@ class Llama(RingLlama):
         nodes: the nodes' control addresses, in ring order. None or empty: the head runs every layer itself.
         layers: layers per round for each node, then optionally for the head: a manual split (no planning).
             Without nodes: the sizes of the windows the head chains (a split in one process).
+        plan: a plan made beforehand for these nodes (by the dashboard, say: `Coordinator.plan`), deployed as it is,
+            with nothing measured; its devices are the head and the nodes by name, and nodes it dropped leave.
         scheduler: with nodes and without layers, how the windows are chosen: "halda" (default: profile every
             device, measure the links, solve prima.cpp's scheduler, drop nodes that would slow the ring), the
             baselines "memory" (exo's rule) or "compute" (Galaxy's), or "even" (split evenly, nothing measured).
@@ -79,6 +81,7 @@ class Llama(RingLlama):
         *,
         nodes: Sequence[str] | None = None,
         layers: Sequence[int] | None = None,
+        plan: Plan | None = None,
         scheduler: str = "halda",
         rounds: int | None = None,
         plan_settings: PlanSettings | None = None,
@@ -97,7 +100,9 @@ class Llama(RingLlama):
         nodes = tuple(nodes or ())
         if scheduler not in (*SCHEDULERS, "even"):
             raise ConfigError(f"unknown scheduler {scheduler!r}: choose halda, memory, compute or even")
-        planned = bool(nodes) and layers is None and scheduler != "even"
+        if plan is not None and (layers is not None or not nodes):
+            raise ConfigError("a plan is deployed on its own nodes: pass nodes, and no layers")
+        planned = bool(nodes) and layers is None and scheduler != "even" and plan is None
         gpu = tuple(node_gpu_layers) if isinstance(node_gpu_layers, Sequence) else (node_gpu_layers,) * len(nodes)
         if len(gpu) != len(nodes) or min(gpu, default=0) < 0:
             raise ConfigError(f"node_gpu_layers needs one count (0 or more) per node ({len(nodes)}), or one for "
@@ -127,7 +132,10 @@ class Llama(RingLlama):
             self._cluster = cluster = Cluster(self._transport, settings, ModelIdentity.of(layout, path.name),
                                               self.events)
             cluster.connect()
-            if planned:
+            if plan is not None:
+                self.plan = plan
+                cluster.apply_given_plan(plan)
+            elif planned:
                 ps = dataclasses.replace(plan_settings or PlanSettings(), scheduler=scheduler, rounds=rounds)
                 if memory_budget is not None and ps.head_memory_bytes is None:
                     ps = dataclasses.replace(ps, head_memory_bytes=memory_budget)

@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from primaplug.core.errors import PrimaplugError
-from primaplug.head.events import BatchDone, Events, SessionChanged
+from primaplug.core.errors import NodeUnavailableError, PrimaplugError
+from primaplug.head.events import BatchDone, Events, NodeProgress, SessionChanged
 from primaplug.head.ring import RingHead
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class Session:
             try:
                 hidden = self.ring.forward(batch, p, step, seq_id=self.seq_id, all_rows=all_rows)
             except BaseException as e:
-                self._failed(f"step {step} ({len(batch)} token(s) at position {p}): {e}")
+                self._failed(f"step {step} ({len(batch)} token(s) at position {p}): {e}", e)
                 raise
             self.prefix.extend(batch)
             self.events.publish(BatchDone(step, p, len(batch), time.perf_counter() - t0))
@@ -87,7 +87,7 @@ class Session:
         try:
             self.ring.kv_remove(next(self._steps), self.seq_id, pos)
         except BaseException as e:
-            self._failed(f"rewinding to position {pos}: {e}")
+            self._failed(f"rewinding to position {pos}: {e}", e)
             raise
         del self.prefix[pos:]
         self.events.publish(SessionChanged("rewind", pos))
@@ -97,7 +97,7 @@ class Session:
         try:
             self.ring.kv_clear(next(self._steps))
         except BaseException as e:
-            self._failed(f"clearing the caches: {e}")
+            self._failed(f"clearing the caches: {e}", e)
             raise
         self.prefix.clear()
         self._stale = False
@@ -118,8 +118,10 @@ class Session:
         self.events.publish(SessionChanged("replay", len(self.prefix),
                                            f"{len(prefix)} tokens in {time.perf_counter() - t0:.2f} s"))
 
-    def _failed(self, what: str) -> None:
+    def _failed(self, what: str, error: BaseException) -> None:
         self._stale = True
+        if isinstance(error, NodeUnavailableError):  # the node that went silent is named: show it as failed
+            self.events.publish(NodeProgress(error.node, "failed", 0.0, str(error)))
         log.warning("the ring failed at %s; the next request first replays the %d positions before it", what,
                     len(self.prefix))
         self.events.publish(SessionChanged("failed", len(self.prefix), what))

@@ -102,6 +102,7 @@ class Node:
         self._activity = ""
         self._last_step = -1
         self._steps_done = 0
+        self._busy_s = 0.0
         self._loader: threading.Thread | None = None
         self._used_at_start = memory_view().used_bytes  # memory pressure counts from here
         self._profiling = Profiling(self.name, settings.profile_dir)
@@ -191,7 +192,8 @@ class Node:
     def status(self, detail: bool = False) -> Status:
         s = self._status
         status = Status(node=self.name, state=s.state, epoch=s.epoch, progress=s.progress, message=s.message,
-                        activity=self._activity, last_step=self._last_step, steps_done=self._steps_done)
+                        activity=self._activity, last_step=self._last_step, steps_done=self._steps_done,
+                        busy_s=self._busy_s)
         dep = self._deployment
         if detail and dep is not None and dep.prefetcher is not None:
             p = dep.prefetcher
@@ -279,7 +281,9 @@ class Node:
             out: tuple[Activation | KvOp | RingError, np.ndarray | None]
             if isinstance(msg, Activation):
                 self._activity = f"computing step {msg.step} round {msg.round}: {msg.n_rows} row(s) at {msg.pos0}"
+                t0 = time.perf_counter()
                 out = dep.run(msg, rows)  # type: ignore[arg-type]
+                self._busy_s += time.perf_counter() - t0
                 self._last_step, self._steps_done = msg.step, self._steps_done + 1
             elif isinstance(msg, KvOp):
                 self._activity = f"applying kv {msg.op} (step {msg.step})"

@@ -7,7 +7,15 @@ Pure: imports only primaplug.core, numpy and (lazily, when a plan is solved) hig
 from primaplug.scheduler.latency import DEFAULT_SLOW_DISK_BPS, DeviceSet, Prediction, predict_latency
 from primaplug.scheduler.plan import DevicePlan, DroppedDevice, Plan
 from primaplug.scheduler.ring import RingPrediction, predict_ring
-from primaplug.scheduler.solve import LATENCY_MODELS, SCHEDULERS, LatencyModel, Scheduler, solve
+from primaplug.scheduler.solve import (
+    LATENCY_MODELS,
+    SCHEDULERS,
+    LatencyModel,
+    Scheduler,
+    alternatives,
+    placement,
+    solve,
+)
 
 __all__ = [
     "DEFAULT_SLOW_DISK_BPS",
@@ -21,6 +29,8 @@ __all__ = [
     "Prediction",
     "RingPrediction",
     "Scheduler",
+    "alternatives",
+    "placement",
     "predict_latency",
     "predict_ring",
     "solve",

@@ -163,3 +163,55 @@ def _ring_halda(p: Platform, rounds: Sequence[int] | None = None) -> HaldaResult
     if best is None:
         return None
     return HaldaResult(best, sets=(), iterations=0, forced=())
+
+
+def placement(
+    devices: Sequence[DeviceProfile],
+    model: ModelProfile,
+    sizes: Sequence[int],
+    *,
+    rounds: int = 1,
+    gpu_layers: Sequence[int] = (),
+    scheduler: str = "manual",
+    slow_disk_bps: float = DEFAULT_SLOW_DISK_BPS,
+    latency_model: LatencyModel = "ring",
+) -> Plan:
+    """The plan of a split chosen by hand, scored by the latency model: `sizes` are the layers per round of each
+    node in ring order (`devices[1:]`), then optionally the head's (`devices[0]`; left out, it runs only the output
+    layer); `gpu_layers` the GPU layers of each node's windows. Raises ValueError saying what does not fit."""
+    nodes = len(devices) - 1
+    if len(sizes) not in (nodes, nodes + 1):
+        raise ValueError(f"give one window size per node ({nodes}), then optionally the head's; got {len(sizes)}")
+    if rounds < 1 or model.n_layer % rounds:
+        raise ValueError(f"the rounds must divide the model's {model.n_layer} layers, got {rounds}")
+    if sum(sizes) * rounds != model.n_layer:
+        raise ValueError(f"{' + '.join(map(str, sizes))} layers per round over {rounds} round(s) run "
+                         f"{sum(sizes) * rounds} layers; the model has {model.n_layer}")
+    if any(s < 1 for s in sizes[:nodes]):
+        raise ValueError("every node needs at least one layer per round (leave a node out of the ring instead)")
+    head = sizes[nodes] if len(sizes) > nodes else 0
+    w = [head, *sizes[:nodes]]
+    gpu = [0] + [min(gpu_layers[i] if i < len(gpu_layers) else 0, w[i + 1]) for i in range(nodes)]
+    p = platform(devices, model, slow_disk_bps=slow_disk_bps)
+    return build_plan(p, rounds, w, gpu, scheduler, latency_model=latency_model)
+
+
+def alternatives(
+    devices: Sequence[DeviceProfile],
+    model: ModelProfile,
+    *,
+    scheduler: Scheduler = "halda",
+    slow_disk_bps: float = DEFAULT_SLOW_DISK_BPS,
+    latency_model: LatencyModel = "ring",
+) -> list[tuple[int, Plan | str]]:
+    """What the scheduler would plan with each number of rounds k (a divisor of the layer count): the plan, or why
+    there is none. The baselines plan one round only."""
+    ks = [k for k in range(1, model.n_layer + 1) if model.n_layer % k == 0 and (k < model.n_layer or k == 1)]
+    out: list[tuple[int, Plan | str]] = []
+    for k in ks if scheduler == "halda" else [1]:
+        try:
+            out.append((k, solve(devices, model, scheduler=scheduler, rounds=k, slow_disk_bps=slow_disk_bps,
+                                 latency_model=latency_model)))
+        except (PlacementInfeasibleError, ValueError) as e:
+            out.append((k, str(e)))
+    return out

@@ -135,6 +135,7 @@ class Status(_Msg, tag="status_reply"):
     activity: str = ""  # what the ring thread is doing right now, "" when waiting
     last_step: int = -1  # the last ring step this node finished
     steps_done: int = 0
+    busy_s: float = 0.0  # seconds the ring thread has spent running windows since the node started
     # memory (filled in when asked with detail)
     memory_mode: str = ""  # "resident (no windowing)" or how windows are prefetched
     bytes_prefetched: int = 0
