@@ -37,7 +37,7 @@ engine: $(PY)
 
 # primaplug and its dependencies; the engine is installed first so that pip finds its pin satisfied
 $(STAMP): pyproject.toml | engine
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,dashboard]'
 	touch $(STAMP)
 
 bench: setup

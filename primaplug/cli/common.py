@@ -14,7 +14,7 @@ from typing import Any
 
 from primaplug.core import PrimaplugError
 from primaplug.core.settings import RunSettings
-from primaplug.head.events import Deployed, Event, NodeMetrics, NodeProgress, Notice, Planned, SessionChanged
+from primaplug.head.events import Deployed, Event, NodeMetrics, NodeProgress, Notice, Planned
 
 RUN = RunSettings()
 
@@ -191,8 +191,6 @@ class EventLines:
                                f"{event.seconds:.1f} s: {nodes}; head {head}")
                 else:
                     self._line(f"no nodes: the head runs the windows {head} itself, in this process")
-            case SessionChanged(what="failed"):
-                self._line(f"the ring failed at {event.detail}")
             case NodeMetrics(status=s) if s.memory_mode:
                 mib = 2**20
                 self._line(f"{event.node}: {s.steps_done} windows computed; memory {s.memory_mode}, budget "
