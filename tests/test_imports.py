@@ -24,12 +24,14 @@ ALLOWED = {
     "node": {"core", "wire", "transport", "engine", "memory", "profiler", "device"},
     "head": {"core", "wire", "transport", "engine", "memory", "profiler", "scheduler", "device"},
     "server": {"core"},
+    "tui": {"core", "wire", "scheduler", "head"},
     "cli": {"core", "wire", "transport", "engine", "memory", "profiler", "scheduler", "device", "node", "head",
-            "server"},
+            "server", "tui"},
 }
 TOP = {"__init__.py": {"head"}, "__main__.py": {"cli"}}  # the package's own top-level modules (Llama, main)
 # outside libraries only one package may import
-OWNER = {"zmq": {"transport"}, "llama_cpp": {"engine", "server"}, "highspy": {"scheduler"}}
+OWNER = {"zmq": {"transport"}, "llama_cpp": {"engine", "server"}, "highspy": {"scheduler"}, "textual": {"tui"},
+         "rich": {"tui"}}
 
 
 def _imports(path: Path) -> set[str]:
