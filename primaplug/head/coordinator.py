@@ -123,7 +123,7 @@ class Coordinator:
         """A node the head saw fail (the ring, the watcher, a deployment) is not planned with until it answers."""
         if isinstance(event, NodeProgress) and event.state == "failed":
             e = self.entry(event.node)
-            if e is not None and not e.error:
+            if e is not None:
                 e.error = event.message
 
     # --- the nodes -------------------------------------------------------------------------------------------
@@ -217,23 +217,20 @@ class Coordinator:
         m = self.measured
         assert m is not None
         known = {d.name for d in m.devices}
-        added = []
-        for e in entries:
-            if e.name in known:
-                continue
-            client = NodeClient(self.transport, e.address, self.timeout_s)
-            client.name = e.name
-            try:
-                p = client.profile(self.model.identity, progress=lambda what, e=e: self.events.publish(
-                    NodeProgress(e.name, "profiling", 0.0, what)))
-            except (NodeError, NodeUnavailableError) as err:
-                self._mark_failed(err)
-                raise
-            finally:
-                client.close()
-            self.events.publish(NodeProgress(e.name, "profiling", 1.0, "profiled"))
-            added.append(msgspec.structs.replace(p, name=e.name, link_latency_s=m.link_latency_s,
-                                                 link_bps=m.link_bps))
+        new = [e for e in entries if e.name not in known]
+        if not new:
+            return m
+        cluster = self._cluster(new)
+        try:
+            cluster.connect()
+            profiles = cluster.profiles()
+        except (NodeError, NodeUnavailableError) as err:
+            self._mark_failed(err)
+            raise
+        finally:
+            cluster.close()
+        added = tuple(msgspec.structs.replace(p, name=e.name, link_latency_s=m.link_latency_s, link_bps=m.link_bps)
+                      for e, p in zip(new, profiles, strict=True))
         self.measured = dataclasses.replace(m, devices=(*m.devices, *added))
         return self.measured
 
@@ -246,9 +243,8 @@ class Coordinator:
         return (m.devices[0], *(by_name[e.name] for e in self.usable() if e.name in by_name))
 
     def _mark_failed(self, err: NodeError | NodeUnavailableError) -> None:
-        e = self.entry(err.node.split(" (")[0])
-        if e is not None:
-            e.error = str(err)
+        """Publish a node's failure (its entry takes the reason from the event, _on_event); a NodeError names
+        the node as "name (address)"."""
         self.events.publish(NodeProgress(err.node.split(" (")[0], "failed", 0.0, str(err)))
 
     def plan(self, request: PlanRequest) -> PlanChoice:
@@ -273,11 +269,11 @@ class Coordinator:
                     if request.scheduler == "even":
                         if nodes < 1:
                             raise ConfigError("an even split needs at least one node")
-                        sizes = even_split(m.model.n_layer // k, nodes) if m.model.n_layer % k == 0 else []
+                        if m.model.n_layer % k:
+                            raise ConfigError(f"the rounds must divide the model's {m.model.n_layer} layers, got {k}")
+                        sizes = even_split(m.model.n_layer // k, nodes)
                     else:
                         sizes = list(request.layers)
-                    if request.scheduler == "even" and not sizes:
-                        raise ConfigError(f"the rounds must divide the model's {m.model.n_layer} layers, got {k}")
                     plan = placement(devices, m.model, sizes, rounds=k, gpu_layers=[request.gpu_layers] * nodes,
                                      scheduler=request.scheduler, **common)
                     others = ()
