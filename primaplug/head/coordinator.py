@@ -311,6 +311,7 @@ class Coordinator:
             except (NodeError, NodeUnavailableError) as err:
                 self._mark_failed(err)
                 raise
+            self.llm.plan = plan  # the head alone is deployed as one window, not from the plan: keep it all the same
             return self.llm
 
     def undeploy(self) -> None:

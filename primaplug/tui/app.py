@@ -286,6 +286,8 @@ class DashboardApp(App[None]):
                 say(event.message)
             case Planned():
                 say(event.description.splitlines()[1] if "\n" in event.description else event.description)
+            case Deployed() if not event.nodes:
+                say("deployed: the head runs every layer itself", "green")
             case Deployed():
                 say(f"deployed in {event.seconds:.1f} s: " + "; ".join(
                     f"{n} {' '.join(map(str, r))}" for n, r in event.nodes), "green")
@@ -411,6 +413,8 @@ class DashboardApp(App[None]):
 
     def action_tab(self, pane: str) -> None:
         self.query_one(TabbedContent).active = pane
+        if pane == "run":  # the chat is what one comes to Run for: type at once
+            self.query_one("#prompt", Input).focus()
         self.refresh_bindings()
 
     def on_tabbed_content_tab_activated(self, _: TabbedContent.TabActivated) -> None:
