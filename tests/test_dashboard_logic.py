@@ -166,3 +166,15 @@ def test_the_cli_loads_no_textual_until_the_dashboard_runs() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
     out = subprocess.run([sys.executable, "-m", "primaplug", "dashboard", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--local-nodes" in out.stdout and "--keys" in out.stdout
+
+
+def test_a_node_that_does_not_answer_is_marked_failed_with_what_to_do(gemma_path: Path) -> None:
+    c = Coordinator(gemma_path, ["127.0.0.1:9"], timeout_s=0.3)
+    seen: list[NodeProgress] = []
+    c.events.subscribe(lambda e: seen.append(e) if isinstance(e, NodeProgress) else None)
+    assert c.connect() == []
+    error = c.nodes["127.0.0.1:9"].error
+    assert "did not answer Hello within 0.3 s" in error
+    assert "primaplug node -m" in error and "--listen 127.0.0.1:9" in error
+    assert [e.state for e in seen] == ["connecting", "failed"]
+    c.close()
