@@ -20,7 +20,7 @@ from primaplug.head.coordinator import Coordinator, PlanRequest
 from primaplug.head.events import BatchDone, NodeProgress, NodeView, TokenClock
 from primaplug.scheduler import alternatives, placement, solve
 from primaplug.tui.config import Remembered
-from primaplug.tui.render import figures, layer_map, state_text
+from primaplug.tui.render import figures, layer_map, plan_summary, state_text
 from tests.dashboard_fixture import RECORD, recorded_app
 
 DEVICES = tuple(msgspec.convert(d, DeviceProfile) for d in RECORD["measured"]["devices"])
@@ -65,6 +65,22 @@ def test_figures_compare_measured_with_predicted() -> None:
     assert "TTFT      100 ms" in text and "TPOT      20.0 ms" in text
     assert "predicted 25.0 ms  measured 0.80x" in text and "50.0 tokens/s, 10 tokens" in text
     assert "predicted -" in figures(0, 0, 0, None).plain
+    drafts = figures(0.1, 0.02, 9, 0.025, drafts=(41, 52)).plain
+    assert "drafts 79% kept (41 of 52)" in drafts and len(drafts.splitlines()) == 4  # the pane's four lines
+    assert "drafts none verified yet" in figures(0, 0, 0, None, drafts=(0, 0)).plain
+
+
+def test_the_plan_says_whether_speculation_pays() -> None:
+    from primaplug.head.planning import plan_with_speculation
+
+    plan = placement(DEVICES, MODEL, [6, 6, 4, 2], rounds=1, gpu_layers=[0, 0, 0])
+    assert "speculation" not in plan_summary(plan).plain
+    cheap = plan_with_speculation(plan, plan.total_s / 50, 0, 4)
+    assert cheap.speculation is not None and cheap.speculation.pays
+    assert cheap.speculation.tpot_s < plan.total_s and "pays above" in plan_summary(cheap).plain
+    assert cheap.describe().splitlines()[-1] == cheap.speculation.describe()
+    dear = plan_with_speculation(plan, plan.total_s * 2, 0, 4)
+    assert "does not pay" in plan_summary(dear).plain
 
 
 def test_the_token_clock_times_the_prompt_and_each_token() -> None:

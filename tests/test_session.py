@@ -66,16 +66,17 @@ def _positions(nodes: InprocNodes, i: int) -> int:
     return nodes.nodes[i]._deployment.device.kv_pos_max() + 1
 
 
-def test_rewind_forgets_on_every_device(model: Path, nodes: InprocNodes, plain) -> None:
+def test_a_rewind_is_forgotten_on_every_device_with_the_next_batch(model: Path, nodes: InprocNodes, plain) -> None:
     prompt = _prompt(40)
     llm = _ring(model, nodes)
     try:
         llm.eval(prompt + [7, 8, 9])
         assert [_positions(nodes, i) for i in (0, 1)] == [43, 43]
-        llm.session.rewind(41)
-        assert [_positions(nodes, i) for i in (0, 1)] == [41, 41] and llm.session.n_past == 41
+        llm.session.rewind(41)  # no trip: the devices keep the positions until the next batch
+        assert [_positions(nodes, i) for i in (0, 1)] == [43, 43] and llm.session.n_past == 41
         llm.n_tokens = 41
-        llm.eval([11])
+        llm.eval([11])  # starts at 41: every device forgets 41 and after, then computes it
+        assert [_positions(nodes, i) for i in (0, 1)] == [42, 42] and llm.session.held == 42
         plain.reset()
         plain.eval([*prompt, 7, 8, 9])
         plain.n_tokens = 41  # plain llama-cpp-python's own rewind: its eval removes positions 41 and after

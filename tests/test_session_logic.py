@@ -40,8 +40,9 @@ class FakeRing:
     def forward(self, tokens, pos0: int, step: int, *, seq_id: int = 0, all_rows: bool = False) -> np.ndarray:
         self.calls.append(("forward", pos0, len(tokens), step))
         self._maybe_fail()
-        assert pos0 == len(self.held), f"a batch at {pos0} on caches holding {len(self.held)} positions"
-        self.held.extend(int(t) for t in tokens)
+        # every window forgets what it holds from a batch's first position on (engine Window.forward)
+        assert pos0 <= len(self.held), f"a batch at {pos0} on caches holding {len(self.held)} positions"
+        self.held[pos0:] = [int(t) for t in tokens]
         return np.zeros((len(tokens) if all_rows else 1, 4), np.float32)
 
     def kv_remove(self, step: int, seq_id: int, p0: int, p1: int = -1) -> None:
@@ -77,13 +78,19 @@ def test_batches_steps_and_output_positions() -> None:
 def test_eval_rewinds_to_its_position_first() -> None:
     session, ring, _ = _session()
     session.eval([1, 2, 3, 4, 5, 6], 0)
-    session.eval([9, 9], 3)  # the conversation goes another way from position 3
-    assert ring.held == [1, 2, 3, 9, 9] and session.prefix == [1, 2, 3, 9, 9]
-    assert ("remove", 3, 3) in ring.calls
+    session.rewind(2)  # a rejected draft: no trip; the caches keep the positions until the next batch
+    assert ring.held == [1, 2, 3, 4, 5, 6] and session.prefix == [1, 2] and session.held == 6
+    session.eval([9, 9], 2)  # the conversation goes on from position 2 another way
+    assert ring.held == [1, 2, 9, 9] and session.prefix == [1, 2, 9, 9] and session.held == 4
+    assert not any(c[0] == "remove" for c in ring.calls)
+    session.eval([7], 4)
+    assert ring.held == [1, 2, 9, 9, 7]
     session.rewind(10)  # past the end: nothing to do, nothing sent
     assert ring.calls[-1][0] == "forward"
     with pytest.raises(PrimaplugError, match="the ring holds 5 positions"):
         session.eval([1], 6)
+    session.eval([8], 3)  # from the middle: rewinds first
+    assert ring.held == session.prefix == [1, 2, 9, 8]
     with pytest.raises(PrimaplugError, match="cannot rewind to position -1"):
         session.rewind(-1)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from primaplug.core import PrimaplugError
-from primaplug.core.settings import RunSettings
+from primaplug.core.settings import DRAFT_MAX, DRAFT_MIN, RunSettings
 from primaplug.head.events import Deployed, Event, NodeMetrics, NodeProgress, Notice, Planned
 
 RUN = RunSettings()
@@ -90,10 +90,25 @@ def ring_flags(p: argparse.ArgumentParser, *, deploys: bool = True) -> None:
         p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
                        help="layers of each node window to run on that node's GPU, with --layers or --scheduler "
                             "even (default 0; the other schedulers choose GPU layers from each device's profile)")
+    if deploys:
+        draft_flags(p)
     p.add_argument("--keys", help="cluster key file (primaplug keygen); needed for nodes off this machine")
     p.add_argument("--listen", default=RUN.listen, help="address the head receives the ring's output on")
     p.add_argument("--timeout", type=float, default=RUN.timeout_s,
                    help=f"seconds a silent node may take (default {RUN.timeout_s:g})")
+
+
+def draft_flags(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding (llama.cpp's flags): the head drafts, the ring verifies several tokens in one trip."""
+    p.add_argument("-md", "--model-draft", metavar="PATH",
+                   help="a small GGUF of the same family (same tokenizer) that drafts tokens on the head; "
+                        "'prompt-lookup' drafts from the prompt itself, with no model")
+    p.add_argument("--draft-max", type=int, default=DRAFT_MAX,
+                   help=f"most tokens drafted per trip (default {DRAFT_MAX}: greedy output stays plain llama.cpp's; "
+                        "more is faster when most are kept and may change a token where two nearly tie)")
+    p.add_argument("--draft-min", type=int, default=DRAFT_MIN,
+                   help=f"fewest tokens drafted per trip (default {DRAFT_MIN}: the head stops drafting when it "
+                        "does not pay)")
 
 
 def plan_settings(args: argparse.Namespace) -> Any:
@@ -139,7 +154,8 @@ def ring_llama(args: argparse.Namespace, path: Path, kwargs: dict[str, Any]) -> 
         llm = Llama(path, nodes=nodes, layers=args.layers, scheduler=args.scheduler, rounds=args.rounds,
                     plan_settings=plan_settings(args), keys=args.keys, listen=args.listen, timeout_s=args.timeout,
                     node_threads=args.node_threads, node_gpu_layers=args.n_gpu_layers, events=events,
-                    n_threads=args.threads, **kwargs)
+                    n_threads=args.threads, draft_model=args.model_draft, draft_max=args.draft_max,
+                    draft_min=args.draft_min, **kwargs)
         try:
             yield llm
         finally:

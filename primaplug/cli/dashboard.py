@@ -8,7 +8,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from primaplug.cli.common import RUN, addresses, default_model, plan_settings
+from primaplug.cli.common import RUN, addresses, default_model, draft_flags, plan_settings
 from primaplug.core import PrimaplugError
 
 
@@ -33,6 +33,7 @@ def add_parser(sub: Any) -> None:
     d.add_argument("--chat-format", help="llama-cpp-python chat format (default: the model's own template; for a "
                    "model without one, its architecture's, e.g. gemma)")
     d.add_argument("--forget", action="store_true", help="start from an empty cluster, not the remembered one")
+    draft_flags(d)
     d.set_defaults(func=main, scheduler="halda", rounds=None, reprofile=False)
 
 
@@ -57,6 +58,7 @@ def main(args: argparse.Namespace) -> int:
     coordinator = Coordinator(path, remembered.nodes, keys=remembered.keys, listen=args.listen,
                               timeout_s=args.timeout, n_ctx=args.ctx_size, n_batch=args.batch_size,
                               n_ubatch=args.ubatch_size, node_threads=args.node_threads,
-                              chat_format=args.chat_format, plan_settings=plan_settings(args))
+                              chat_format=args.chat_format, plan_settings=plan_settings(args),
+                              draft_model=args.model_draft, draft_max=args.draft_max, draft_min=args.draft_min)
     DashboardApp(coordinator, local_nodes=remembered.local_nodes, remembered=remembered).run()
     return 0

@@ -4,15 +4,17 @@ without deploying."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
-from primaplug.cli.common import EventLines, model_path, node_addresses, plan_settings, ring_flags
+from primaplug.cli.common import EventLines, draft_flags, model_path, node_addresses, plan_settings, ring_flags
 from primaplug.core import PrimaplugError
 
 
 def add_parser(sub: Any) -> None:
     plan = sub.add_parser("plan", help="profile the devices and print the scheduler's plan, without deploying")
     ring_flags(plan, deploys=False)
+    draft_flags(plan)
     plan.set_defaults(func=main)
 
 
@@ -24,7 +26,7 @@ def main(args: argparse.Namespace) -> int:
                              "plan; use halda, memory or compute")
     from primaplug.engine import read_layout
     from primaplug.head import Cluster, ClusterSettings, Events
-    from primaplug.head.planning import measure, plan_cluster
+    from primaplug.head.planning import draft_bytes, measure, plan_cluster, plan_with_speculation
     from primaplug.transport import ZmqTransport, load_keys
     from primaplug.wire import ModelIdentity
 
@@ -41,9 +43,19 @@ def main(args: argparse.Namespace) -> int:
         try:
             cluster.connect()
             ps = plan_settings(args)
+            if args.model_draft and args.model_draft != "prompt-lookup":
+                ps = dataclasses.replace(ps, head_reserved_bytes=draft_bytes(args.model_draft, args.ctx_size,
+                                                                             args.batch_size, args.ubatch_size))
             measured = measure(cluster, path, layout, ps)
             print(profiles_table(measured))
-            print(plan_cluster(cluster, measured, ps).describe())
+            plan = plan_cluster(cluster, measured, ps)
+            if args.model_draft:
+                from primaplug.engine.speculative import measure_draft
+
+                draft_s = measure_draft(args.model_draft, n_ctx=args.ctx_size, n_batch=args.batch_size,
+                                        n_threads=0)
+                plan = plan_with_speculation(plan, draft_s, args.draft_min, args.draft_max)
+            print(plan.describe())
         finally:
             cluster.close()
             transport.close()

@@ -96,6 +96,8 @@ def _stream(llm: Any, text: str, prompt: list[int], n_predict: int, sampling: di
     tpot = (t_end - t_first) / max(1, len(out) - 1)
     say(f"prompt {len(prompt)} tokens, generated {len(out)}; TTFT {(t_first - t0) * 1000:.1f} ms, "
         f"TPOT {tpot * 1000:.1f} ms, {len(out) / (t_end - t0):.1f} tokens/s (seed {seed})")
+    if getattr(llm, "speculation", None) is not None:
+        say(f"speculation: {llm.speculation.stats.describe()}")
     return out
 
 

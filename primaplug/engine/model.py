@@ -478,6 +478,11 @@ class Window:
             # continue the ones it saw last; the ring hands it the last row of each batch, at any position (a
             # batch of n_batch rows ends n_batch on, a conversation goes back): it forgets what it saw
             _ll.llama_memory_clear(_ll.llama_get_memory(self._ctx), False)
+        elif self._index in (None, 0) and self.kv_pos_max(seq_id) >= pos[0]:
+            # a batch at position p replaces what the cache holds from p on (a rewind the head did not send round
+            # the ring: a rejected draft, a conversation going another way); a window sharing this context reuses
+            # the cells the first one places, so only the first forgets
+            self.kv_remove(seq_id, int(pos[0]))
         out: list[np.ndarray] = []
         for i in range(0, n, self.settings.n_batch):
             j = min(n, i + self.settings.n_batch)

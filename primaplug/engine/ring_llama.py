@@ -12,7 +12,9 @@ two wrappers over the head's windowed model and its output-only window (for this
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -22,7 +24,9 @@ import llama_cpp.llama as _llama_module
 import numpy as np
 
 from primaplug.core.errors import PrimaplugError
+from primaplug.decoding import SamplingParams, accept_or_resample
 from primaplug.engine.model import ContextSettings, Model, Window
+from primaplug.engine.speculative import Speculation, target_probs
 
 
 class Session(Protocol):
@@ -37,6 +41,7 @@ class Session(Protocol):
     def clear(self) -> None: ...
 
 
+_GENERATE = inspect.signature(llama_cpp.Llama.generate)
 _building = threading.local()
 _swap_lock = threading.Lock()
 
@@ -116,38 +121,98 @@ def _head_parts(model: Model, session: Session) -> Iterator[None]:
 
 class RingLlama(llama_cpp.Llama):
     """llama_cpp.Llama over a ring: `head` is the head's windowed model (vocabulary and output layer), `session`
-    the conversation on the ring."""
+    the conversation on the ring, `speculation` the draft that proposes tokens for the ring to verify (or None)."""
 
-    def __init__(self, head: Model, session: Session, **kwargs: Any) -> None:
+    def __init__(self, head: Model, session: Session, *, speculation: Speculation | None = None,
+                 **kwargs: Any) -> None:
         if not head.output:
             raise PrimaplugError("the head's model must be loaded with output=True: the head runs the output layer")
-        for unsupported in ("draft_model", "lora_path", "embedding"):
+        for unsupported in ("lora_path", "embedding"):
             if kwargs.get(unsupported):
                 raise PrimaplugError(f"{unsupported} is not supported over a ring yet")
+        if kwargs.get("draft_model") is not None:
+            raise PrimaplugError("give primaplug.Llama the draft (draft_model=...): it builds the speculation")
         self._head, self._session = head, session
         kwargs.setdefault("flash_attn", False)
         with _head_parts(head, session):
             super().__init__(head.path, **kwargs)
         self._out: Window = self._ctx.window  # type: ignore[attr-defined]
+        # llama-cpp-python's generate drafts through draft_model; set after __init__, which would otherwise keep
+        # logits for every position of the context (n_ctx x n_vocab floats): the head keeps only a trip's rows
+        self.speculation = self.draft_model = speculation
+
+    def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any) -> Any:
+        """llama_cpp.Llama.generate; with a draft, each step's drafted tokens go round the ring with the last
+        sampled one, and sample() verifies them."""
+        if self.speculation is not None:
+            bound = _GENERATE.bind(self, tokens, *args, **kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
+            sampling = a["mirostat_mode"] == 0 and a["temp"] > 0  # speculative sampling; else draw and compare
+            self.speculation.start(SamplingParams(temp=a["temp"] if sampling else 0.0, top_k=a["top_k"],
+                                                  top_p=a["top_p"], min_p=a["min_p"]),
+                                   None if self._seed == llama_cpp.LLAMA_DEFAULT_SEED else self._seed)
+        return super().generate(tokens, *args, **kwargs)
 
     def eval(self, tokens: Sequence[int]) -> None:
         """Run tokens through the ring from position n_tokens (the session rewinds its prefix to there first); the
-        logits land in the head's context, where llama-cpp-python's sampler reads them."""
+        logits land in the head's context, where llama-cpp-python's sampler reads them: of the last row, or of
+        every row a drafted token's verification needs."""
         n_past, n = self.n_tokens, len(tokens)
         if n_past + n > len(self.input_ids):  # the n_ctx asked for (llama.cpp pads its own to a multiple of 256)
             # llama-cpp-python's own words for it (Llama.create_completion), so callers see one error either way
             raise ValueError(f"Requested tokens ({n_past + n}) exceed context window of {len(self.input_ids)}")
         mode = "all" if self._logits_all else "keep"  # "keep": the sampler reads them in llama.cpp's buffer
+        spec = self.speculation
+        drafted = spec.pending if spec is not None and spec.pending is not None \
+            and spec.pending.start + len(spec.pending.tokens) == n_past + n else None
+        rows = n if self._logits_all else min(n, 1 + len(drafted.tokens)) if drafted else 1
 
         def output(hidden: np.ndarray, pos: int) -> None:
+            first = n_past + n - rows
+            if pos + len(hidden) <= first:
+                return
+            hidden, pos = (hidden[first - pos :], first) if pos < first else (hidden, pos)
             logits = self._out.forward(hidden, pos, logits=mode)
             if self._logits_all:
                 self.scores[pos : pos + len(logits), :] = logits
 
-        self._session.eval(list(tokens), n_past, all_rows=self._logits_all, output=output)
+        t0 = time.perf_counter()
+        self._session.eval(list(tokens), n_past, all_rows=rows > 1, output=output)
+        if spec is not None and (drafted is not None or n == 1):
+            spec.verified(n, time.perf_counter() - t0, drafted is not None)
+        elif spec is not None:
+            spec.prefill = (n_past, n_past + n)
         self.input_ids[n_past : n_past + n] = tokens
         self.n_tokens += n
         self._requires_eval = False
+
+    def sample(self, *args: Any, idx: int | None = None, **kwargs: Any) -> int:
+        """llama_cpp.Llama.sample; a drafted token waiting at the next position is verified: kept with probability
+        min(1, p/q) or replaced from the residual (speculative sampling), or, greedy, kept when it is the target's
+        own choice."""
+        spec = self.speculation
+        draft = spec.at(idx + 1) if spec is not None and idx is not None else None
+        if draft is None:
+            return super().sample(*args, idx=idx, **kwargs)
+        assert spec is not None and idx is not None
+        token, q = draft
+        p = target_probs(self._sampler, self._ctx.ctx, idx - self.n_tokens, self._n_vocab) \
+            if self._sampler is not None and not spec.params.greedy else None
+        if p is None:  # greedy (or mirostat): the target draws as it would without a draft
+            chosen = super().sample(*args, idx=idx, **kwargs)
+            spec.decided(chosen == token)
+            return chosen
+        chosen, kept = accept_or_resample(p, q, token, spec.rng)
+        llama_cpp.llama_sampler_accept(self._sampler.sampler, chosen)  # penalties and grammar see the token
+        spec.decided(kept)
+        return chosen
+
+    def close(self) -> None:
+        if getattr(self, "speculation", None) is not None:
+            self.speculation.close()  # type: ignore[union-attr]
+            self.speculation = self.draft_model = None
+        super().close()
 
     def embed(self, *args: Any, **kwargs: Any) -> Any:
         raise PrimaplugError("embeddings are not supported over a ring")

@@ -24,13 +24,13 @@ import msgspec
 
 from primaplug.core.errors import ConfigError, NodeError, NodeUnavailableError, PrimaplugError
 from primaplug.core.profiles import DeviceProfile
-from primaplug.core.settings import RunSettings
+from primaplug.core.settings import DRAFT_MAX, DRAFT_MIN, RunSettings
 from primaplug.core.windows import even_split
 from primaplug.engine import ModelLayout, read_layout
 from primaplug.head.cluster import Cluster, ClusterSettings, describe_device, held_models, unique_names
 from primaplug.head.events import Event, Events, NodeMetrics, NodeProgress, Notice, Planned
 from primaplug.head.nodes import NodeClient
-from primaplug.head.planning import Measured, PlanSettings, measure
+from primaplug.head.planning import Measured, PlanSettings, draft_bytes, measure, plan_with_speculation
 from primaplug.scheduler import SCHEDULERS, Plan, alternatives, placement, solve
 from primaplug.transport import Transport, ZmqTransport, load_keys
 from primaplug.wire import ModelIdentity, Status
@@ -97,7 +97,9 @@ class Coordinator:
                  timeout_s: float = _RUN.timeout_s, n_ctx: int = _RUN.n_ctx, n_batch: int = _RUN.n_batch,
                  n_ubatch: int = _RUN.n_ubatch, node_threads: int = _RUN.node_threads,
                  chat_format: str | None = None, plan_settings: PlanSettings | None = None,
-                 events: Events | None = None, transport: Transport | None = None) -> None:
+                 draft_model: str | os.PathLike[str] | None = None, draft_max: int = DRAFT_MAX,
+                 draft_min: int = DRAFT_MIN, events: Events | None = None,
+                 transport: Transport | None = None) -> None:
         self.path = Path(model_path)
         self.layout: ModelLayout = read_layout(self.path)
         self.layout.check_supported()
@@ -106,6 +108,12 @@ class Coordinator:
         self.listen, self.timeout_s = listen, timeout_s
         self.n_ctx, self.n_batch, self.n_ubatch, self.node_threads = n_ctx, n_batch, n_ubatch, node_threads
         self.plan_settings = plan_settings or PlanSettings()
+        # speculative decoding: the draft stays on the head, so the plan gives the head's windows less memory
+        self.draft_model, self.draft_max, self.draft_min = draft_model, draft_max, draft_min
+        self._draft_token_s: float | None = None  # measured when a plan is first made
+        if draft_model is not None and os.path.isfile(draft_model):
+            self.plan_settings = dataclasses.replace(self.plan_settings, head_reserved_bytes=draft_bytes(
+                draft_model, n_ctx, n_batch, n_ubatch))
         self.chat_format = chat_format or (None if self.layout.has_chat_template else
                                            FALLBACK_CHAT_FORMATS.get(self.layout.arch))
         self.events = events or Events()
@@ -279,9 +287,21 @@ class Coordinator:
                     others = ()
             except ValueError as err:
                 raise ConfigError(str(err)) from None
+            if self.draft_model is not None:
+                plan = plan_with_speculation(plan, self._draft_speed(), self.draft_min, self.draft_max)
             self.choice = PlanChoice(request, plan, others)
             self.events.publish(Planned(plan.describe()))
             return self.choice
+
+    def _draft_speed(self) -> float:
+        """Seconds a drafted token costs on the head (measured once)."""
+        if self._draft_token_s is None:
+            from primaplug.engine.speculative import measure_draft
+
+            self.events.publish(Notice("timing the draft model on the head"))
+            self._draft_token_s = measure_draft(self.draft_model, n_ctx=self.n_ctx, n_batch=self.n_batch,
+                                                n_threads=0)
+        return self._draft_token_s
 
     # --- running ---------------------------------------------------------------------------------------------
 
@@ -307,7 +327,8 @@ class Coordinator:
                 self.llm = Llama(self.path, nodes=addresses, plan=plan if addresses else None,
                                  layers=None if addresses else [self.layout.n_layer], keys=self.keys,
                                  listen=self.listen, timeout_s=self.timeout_s, node_threads=self.node_threads,
-                                 events=self.events, transport=self.transport, **llama_kwargs)
+                                 events=self.events, transport=self.transport, draft_model=self.draft_model,
+                                 draft_max=self.draft_max, draft_min=self.draft_min, **llama_kwargs)
             except (NodeError, NodeUnavailableError) as err:
                 self._mark_failed(err)
                 raise

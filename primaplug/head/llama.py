@@ -19,13 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from primaplug.core.errors import ConfigError
-from primaplug.core.settings import RunSettings, head_threads
+from primaplug.core.settings import DRAFT_MAX, DRAFT_MIN, RunSettings, head_threads
 from primaplug.device import DeviceWindows, MemorySettings
 from primaplug.engine import BUSY_POLL, ContextSettings, read_layout
 from primaplug.engine.ring_llama import RingLlama
+from primaplug.engine.speculative import Speculation, draft_token_seconds, open_speculation
 from primaplug.head.cluster import Cluster, ClusterSettings, Route
-from primaplug.head.events import Events
-from primaplug.head.planning import PlanSettings, measure, plan_cluster
+from primaplug.head.events import Events, Notice
+from primaplug.head.planning import PlanSettings, draft_bytes, measure, plan_cluster, plan_with_speculation
 from primaplug.head.session import Session
 from primaplug.memory.prefetcher import Switches
 from primaplug.profiler import compute_buffer_output_bytes
@@ -71,6 +72,14 @@ class Llama(RingLlama):
             ownership of one it passes.
         route: maps (the sending node's address or "head", endpoint) to the endpoint it connects to instead (an
             emulated link in between).
+        draft_model: speculative decoding: a small GGUF of the same family (the same tokenizer), which the head
+            runs itself, "prompt-lookup" (drafts from the conversation itself, no model), or any llama-cpp-python
+            LlamaDraftModel. The
+            head drafts tokens and the ring verifies them all in one trip; the output is the target's (greedy:
+            the same tokens; sampling: the same distribution, by speculative sampling). `llm.speculation.stats`
+            says how many drafted tokens were kept.
+        draft_max, draft_min: the most and fewest tokens drafted a step (llama.cpp's --draft-max, --draft-min);
+            in between, the length follows the measured acceptance rate and the cost of drafting against a trip.
         **kwargs: llama_cpp.Llama's own arguments (n_ctx, n_batch, n_ubatch, n_threads, seed, chat_format, ...);
             n_ctx, n_batch and n_ubatch default to primaplug's RunSettings (4096, 512, 512).
     """
@@ -95,6 +104,9 @@ class Llama(RingLlama):
         events: Events | None = None,
         transport: Transport | None = None,
         route: Route | None = None,
+        draft_model: Any = None,
+        draft_max: int = DRAFT_MAX,
+        draft_min: int = DRAFT_MIN,
         **kwargs: Any,
     ) -> None:
         nodes = tuple(nodes or ())
@@ -128,6 +140,10 @@ class Llama(RingLlama):
         self._cluster: Cluster | None = None
         self._device: DeviceWindows | None = None
         self.plan: Plan | None = None  # the scheduler's plan, when one was made
+        self.speculation: Speculation | None = None
+        # the draft's weights, KV cache and buffers stay on the head: less memory for the head's windows
+        reserved = draft_bytes(draft_model, n_ctx, n_batch, n_ubatch) \
+            if isinstance(draft_model, (str, os.PathLike)) and os.path.isfile(draft_model) else 0
         try:
             self._cluster = cluster = Cluster(self._transport, settings, ModelIdentity.of(layout, path.name),
                                               self.events)
@@ -136,7 +152,8 @@ class Llama(RingLlama):
                 self.plan = plan
                 cluster.apply_given_plan(plan)
             elif planned:
-                ps = dataclasses.replace(plan_settings or PlanSettings(), scheduler=scheduler, rounds=rounds)
+                ps = dataclasses.replace(plan_settings or PlanSettings(), scheduler=scheduler, rounds=rounds,
+                                         head_reserved_bytes=reserved)
                 if memory_budget is not None and ps.head_memory_bytes is None:
                     ps = dataclasses.replace(ps, head_memory_bytes=memory_budget)
                 self.plan = plan_cluster(cluster, measure(cluster, path, layout, ps), ps)
@@ -149,11 +166,20 @@ class Llama(RingLlama):
             self._device = DeviceWindows.load(
                 path, layout, cluster.head_ranges, context=context,
                 memory=MemorySettings(budget_bytes=memory_budget, switches=memory_switches or Switches()),
-                output=True, extra_reserved=compute_buffer_output_bytes(layout, n_ctx, n_batch, n_ubatch),
+                output=True, extra_reserved=compute_buffer_output_bytes(layout, n_ctx, n_batch, n_ubatch) + reserved,
                 extra_weights=layout.output_bytes)
+            if draft_model is not None:
+                self.speculation = open_speculation(draft_model, target=self._device.model, n_ctx=n_ctx,
+                                                    n_batch=n_batch, n_threads=threads, n_min=draft_min,
+                                                    n_max=draft_max)
+                if self.plan is not None:
+                    probe = self._device.model.tokenize("The ring verifies what the head drafts.")
+                    self.plan = plan_with_speculation(self.plan, draft_token_seconds(self.speculation, probe),
+                                                      draft_min, draft_max)
+                    self.events.publish(Notice(self.plan.speculation.describe()))  # type: ignore[union-attr]
             cluster.deploy()
             self.session = Session(cluster.ring(self._device), n_batch=n_batch, events=self.events)
-            super().__init__(self._device.model, self.session, **kwargs)
+            super().__init__(self._device.model, self.session, speculation=self.speculation, **kwargs)
         except BaseException:
             self._close_ring()
             raise
@@ -164,6 +190,9 @@ class Llama(RingLlama):
         return self._cluster
 
     def _close_ring(self) -> None:
+        if getattr(self, "speculation", None) is not None:
+            self.speculation.close()  # type: ignore[union-attr]
+            self.speculation = None
         if getattr(self, "_device", None) is not None:
             self._device.close()  # type: ignore[union-attr]
             self._device = None

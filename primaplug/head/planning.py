@@ -6,6 +6,7 @@ the scheduler's first device (the paper's m = 1); the nodes follow in ring order
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,10 +14,11 @@ from pathlib import Path
 import msgspec
 
 from primaplug.core.profiles import DeviceProfile, ModelProfile
-from primaplug.engine import ModelLayout
+from primaplug.decoding import estimate
+from primaplug.engine import ModelLayout, read_layout
 from primaplug.head.cluster import Cluster
 from primaplug.head.events import Notice, Planned
-from primaplug.profiler import model_types, profile_device, profile_model
+from primaplug.profiler import compute_buffer_output_bytes, model_types, profile_device, profile_model
 from primaplug.scheduler import DEFAULT_SLOW_DISK_BPS, LatencyModel, Plan, Scheduler, solve
 
 HEAD = "head"
@@ -33,6 +35,7 @@ class PlanSettings:
     # the memory the head lends the model, as the scheduler sees it (None: what its OS says is available); a head
     # that must leave room for the apps its user runs gives less, and the plan puts more on the nodes
     head_memory_bytes: int | None = None
+    head_reserved_bytes: int = 0  # memory the head keeps for itself, out of what the plan may use (a draft model)
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,9 @@ def measure(cluster: Cluster, path: str | os.PathLike[str], layout: ModelLayout,
     if settings.head_memory_bytes is not None:
         head = msgspec.structs.replace(head, mem_available_bytes=min(head.mem_available_bytes,
                                                                      settings.head_memory_bytes))
+    if settings.head_reserved_bytes:
+        head = msgspec.structs.replace(head, mem_available_bytes=max(0, head.mem_available_bytes
+                                                                     - settings.head_reserved_bytes))
     say("measuring the ring's links")
     latency, bps = cluster.measure_links()
     devices = tuple(msgspec.structs.replace(p, link_latency_s=latency, link_bps=bps) for p in (head, *nodes))
@@ -69,3 +75,17 @@ def plan_cluster(cluster: Cluster, measured: Measured, settings: PlanSettings) -
     cluster.apply_plan(plan, [d.name for d in measured.devices[1:]])
     cluster.events.publish(Planned(plan.describe()))
     return plan
+
+
+def draft_bytes(path: str | os.PathLike[str], n_ctx: int, n_batch: int, n_ubatch: int) -> int:
+    """The memory a draft GGUF takes on the head: its weights, a KV cache of n_ctx positions and its buffers."""
+    layout = read_layout(path)
+    kv = n_ctx * sum(layout.kv_bytes_per_token(il) for il in range(layout.n_layer))
+    return os.path.getsize(path) + kv + compute_buffer_output_bytes(layout, n_ctx, n_batch, n_ubatch)
+
+
+def plan_with_speculation(plan: Plan, draft_token_s: float, n_min: int, n_max: int) -> Plan:
+    """The plan with what speculation is expected to do on it: drafting costs draft_token_s a token on the head
+    (counted in the head's time), a trip of one row takes the plan's predicted time per token, and each further
+    row adds its compute only (the weights are read and every link crossed once per trip)."""
+    return dataclasses.replace(plan, speculation=estimate(draft_token_s, plan.total_s, plan.compute_s, n_min, n_max))

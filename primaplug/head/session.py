@@ -5,7 +5,9 @@ steps it sends round the ring, applies the failure policy, and publishes what it
 reuse, speculative decoding's rollback and recovery onto a new ring all go through it:
 
 - eval(tokens, pos0): rewinds to pos0 first when the prefix is longer, then sends the tokens in batches of n_batch;
-- rewind(pos): forget positions pos and after, on every device;
+- rewind(pos): forget positions pos and after. It costs no trip: the ring's caches keep those positions until the
+  next batch, which starts at pos, and every window forgets from a batch's first position on before computing it
+  (engine Window.forward). A rejected draft is rewound for free, in the trip that carries the next one;
 - replay(ring): rebuild the prefix on another ring (a new assignment), then carry on there.
 
 Failure policy: when a batch or a KV operation fails, the ring's caches are in an unknown state. The error goes
@@ -41,6 +43,7 @@ class Session:
         self.events = events or Events()
         self.seq_id = seq_id
         self.prefix: list[int] = []
+        self.held = 0  # positions the ring's caches hold: the prefix, then what a rewind left for the next batch
         self._steps = itertools.count(1)
         self._stale = False  # a failure left the ring's caches unknown: clear and replay before going on
 
@@ -73,22 +76,19 @@ class Session:
                 self._failed(f"step {step} ({len(batch)} token(s) at position {p}): {e}", e)
                 raise
             self.prefix.extend(batch)
+            self.held = len(self.prefix)
             self.events.publish(BatchDone(step, p, len(batch), time.perf_counter() - t0))
             if output is not None:
                 output(hidden, p + len(batch) - len(hidden))
 
     def rewind(self, pos: int) -> None:
-        """Forget positions pos, pos + 1, ... on every device (nothing to do when the prefix ends before pos)."""
+        """Forget positions pos, pos + 1, ... (nothing to do when the prefix ends before pos); the devices forget
+        them when the next batch, which starts at pos, reaches them."""
         if pos < 0:
             raise PrimaplugError(f"cannot rewind to position {pos}")
         self._recover()
         if pos >= len(self.prefix):
             return
-        try:
-            self.ring.kv_remove(next(self._steps), self.seq_id, pos)
-        except BaseException as e:
-            self._failed(f"rewinding to position {pos}: {e}", e)
-            raise
         del self.prefix[pos:]
         self.events.publish(SessionChanged("rewind", pos))
 
@@ -100,6 +100,7 @@ class Session:
             self._failed(f"clearing the caches: {e}", e)
             raise
         self.prefix.clear()
+        self.held = 0
         self._stale = False
         self.events.publish(SessionChanged("clear", 0))
 

@@ -103,6 +103,7 @@ class Node:
         self._last_step = -1
         self._steps_done = 0
         self._busy_s = 0.0
+        self._kv_positions = 0
         self._loader: threading.Thread | None = None
         self._used_at_start = memory_view().used_bytes  # memory pressure counts from here
         self._profiling = Profiling(self.name, settings.profile_dir)
@@ -193,7 +194,7 @@ class Node:
         s = self._status
         status = Status(node=self.name, state=s.state, epoch=s.epoch, progress=s.progress, message=s.message,
                         activity=self._activity, last_step=self._last_step, steps_done=self._steps_done,
-                        busy_s=self._busy_s)
+                        busy_s=self._busy_s, kv_positions=self._kv_positions)
         dep = self._deployment
         if detail and dep is not None and dep.prefetcher is not None:
             p = dep.prefetcher
@@ -291,6 +292,8 @@ class Node:
                 out = (msg, None)
             else:
                 out = (msg, None)
+            # read here, by the thread that computes: the status thread must not touch llama.cpp's caches
+            self._kv_positions = dep.device.kv_pos_max(0) + 1
         except (ProtocolError, PrimaplugError) as e:
             step = e.step if isinstance(e, RingFrameError) else step
             log.warning("ring message refused (step %d): %s", step, e)

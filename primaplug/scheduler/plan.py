@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from primaplug.core.windows import LayerRange, check_cover, execution_order, ring_windows
+from primaplug.decoding import SpeculationEstimate
 from primaplug.scheduler.latency import SET_NAMES, DeviceSet, Platform, assign_sets, predict
 from primaplug.scheduler.ring import predict_ring
 
@@ -56,6 +57,7 @@ class Plan:
     devices: tuple[DevicePlan, ...]
     dropped: tuple[DroppedDevice, ...] = ()
     latency_model: str = "paper"  # "paper": Eq. 11, the sum over devices; "ring": scheduler/ring.py
+    speculation: SpeculationEstimate | None = None  # with a draft on the head: whether drafting pays here
 
     @property
     def head(self) -> DevicePlan:
@@ -131,6 +133,8 @@ class Plan:
             lines.append("  ".join(c.ljust(wd) if i in left else c.rjust(wd)
                                    for i, (c, wd) in enumerate(zip(r, widths, strict=True))).rstrip())
         lines += [f"dropped {d.name}: {d.reason}" for d in self.dropped]
+        if self.speculation is not None:
+            lines.append(self.speculation.describe())
         return "\n".join(lines)
 
 

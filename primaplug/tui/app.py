@@ -238,8 +238,9 @@ class DashboardApp(App[None]):
             self.plan_pane.show_deploy([(r.name, r.view) for r in ring], c.llm is not None,
                                        self.busy if deploying else "")
         else:
+            spec = c.llm.speculation.stats if c.llm is not None and c.llm.speculation is not None else None
             self.run_pane.show_figures(self.clock.ttft_s, self.clock.tpot_s, self.clock.tokens, self.predicted_s,
-                                       self.clock.intervals_s)
+                                       self.clock.intervals_s, (spec.accepted, spec.drafted) if spec else None)
             self.run_pane.show_nodes([(r.name, r.view, bool(r.error) or (r.view is not None and
                                                                          r.view.state == "failed"))
                                       for r in (ring or rows[1:])])

@@ -128,6 +128,8 @@ def plan_summary(plan: Plan) -> Text:
     if plan.latency_model == "ring":
         out.append(f" (the token's path {_ms(plan.chain_s)} ms; the busiest device's own time, disk reads "
                    "overlapping the others)")
+    if plan.speculation is not None:
+        out.append("\n" + plan.speculation.describe(), style="green" if plan.speculation.pays else "yellow")
     return out
 
 
@@ -167,8 +169,10 @@ def alternatives_table(chosen: Plan, alternatives: Sequence[tuple[int, Plan | st
     return t
 
 
-def figures(ttft_s: float, tpot_s: float, tokens: int, predicted_s: float | None) -> Text:
-    """TTFT, TPOT measured against predicted, tokens per second."""
+def figures(ttft_s: float, tpot_s: float, tokens: int, predicted_s: float | None,
+            drafts: tuple[int, int] | None = None) -> Text:
+    """TTFT, TPOT measured against predicted, tokens per second, and with a draft the (kept, decided) drafted
+    tokens."""
     out = Text()
     rows = [("TTFT", f"{ttft_s * 1e3:.0f} ms" if ttft_s else "-", ""),
             ("TPOT", f"{tpot_s * 1e3:.1f} ms" if tpot_s else "-", "bold"),
@@ -181,6 +185,11 @@ def figures(ttft_s: float, tpot_s: float, tokens: int, predicted_s: float | None
             out.append(f"  measured {tpot_s / predicted_s:.2f}x", style="dim")
         if label == "speed" and tpot_s:
             out.append(f", {tokens + 1} tokens", style="dim")
+        if label == "TTFT" and drafts is not None:  # on this line: the figures keep their four lines
+            kept, decided = drafts
+            out.append("  drafts ", style="dim")
+            out.append(f"{kept / decided:.0%} kept" if decided else "none verified yet")
+            out.append(f" ({kept} of {decided})" if decided else "", style="dim")
         out.append("\n")
     out.rstrip()
     return out

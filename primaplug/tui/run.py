@@ -101,12 +101,13 @@ class RunPane(Vertical):
         return "\n".join(self.query_one("#transcript", Log).lines)
 
     def show_figures(self, ttft_s: float, tpot_s: float, tokens: int, predicted_s: float | None,
-                     intervals_s: Sequence[float]) -> None:
-        if self._shown.get("figures") == (ttft_s, tpot_s, tokens, predicted_s):
+                     intervals_s: Sequence[float], drafts: tuple[int, int] | None = None) -> None:
+        if self._shown.get("figures") == (ttft_s, tpot_s, tokens, predicted_s, drafts):
             return
-        self._shown["figures"] = (ttft_s, tpot_s, tokens, predicted_s)
+        self._shown["figures"] = (ttft_s, tpot_s, tokens, predicted_s, drafts)
         # a fixed height: no layout of the screen for each frame while a reply streams
-        self.query_one("#figures", Static).update(figures(ttft_s, tpot_s, tokens, predicted_s), layout=False)
+        self.query_one("#figures", Static).update(figures(ttft_s, tpot_s, tokens, predicted_s, drafts),
+                                                  layout=False)
         self.query_one(Sparkline).data = [t * 1e3 for t in intervals_s[-120:]]
 
     def show_nodes(self, rows: Sequence[tuple[str, NodeView | None, bool]]) -> None:

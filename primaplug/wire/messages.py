@@ -136,6 +136,7 @@ class Status(_Msg, tag="status_reply"):
     last_step: int = -1  # the last ring step this node finished
     steps_done: int = 0
     busy_s: float = 0.0  # seconds the ring thread has spent running windows since the node started
+    kv_positions: int = 0  # positions of sequence 0 its caches held after its last ring message
     # memory (filled in when asked with detail)
     memory_mode: str = ""  # "resident (no windowing)" or how windows are prefetched
     bytes_prefetched: int = 0

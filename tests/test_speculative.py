@@ -1,0 +1,177 @@
+"""Speculative decoding on the head against plain llama-cpp-python: a draft changes how many tokens a trip round the
+ring carries, never which tokens come out."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.conftest import synthetic_path
+from tests.ring_helpers import LLAMA_KWARGS
+
+KWARGS = dict(LLAMA_KWARGS, logits_all=False)
+PROMPT = "The history of the Roman empire begins"
+N = 40
+
+
+def _plain_greedy(path: Path, **extra: Any) -> str:
+    import llama_cpp
+
+    plain = llama_cpp.Llama(str(path), **KWARGS, **extra)
+    try:
+        return plain(PROMPT, max_tokens=N, temperature=0.0)["choices"][0]["text"]
+    finally:
+        plain.close()
+
+
+class Scripted:
+    """A LlamaDraftModel that proposes the given continuation, with a wrong token at draft position `wrong` of every
+    step (cycling through the positions when wrong is None), and runs `check` before each proposal."""
+
+    def __init__(self, continuation: list[int], prompt_len: int, n: int, wrong: int | None,
+                 check: Callable[[], None] = lambda: None) -> None:
+        from llama_cpp.llama_speculative import LlamaDraftModel
+
+        LlamaDraftModel.register(Scripted)
+        self.continuation, self.prompt_len, self.n, self.wrong = continuation, prompt_len, n, wrong
+        self.check, self.calls = check, 0
+
+    def __call__(self, input_ids: np.ndarray, /, **kwargs: Any) -> np.ndarray:
+        self.check()
+        at = len(input_ids) - self.prompt_len
+        out = list(self.continuation[at : at + self.n])
+        wrong = self.calls % self.n if self.wrong is None else self.wrong
+        if wrong < len(out):
+            out[wrong] = (out[wrong] + 1) % 1000 + 5  # a token the target will not choose
+        self.calls += 1
+        return np.array(out, dtype=np.intc)
+
+
+def test_draft_equal_to_target_is_always_kept_and_changes_nothing(gemma_path: Path) -> None:
+    import primaplug
+
+    want = _plain_greedy(gemma_path)
+    llm = primaplug.Llama(gemma_path, layers=[9, 9], draft_model=gemma_path, draft_min=2, **KWARGS)
+    try:
+        got = llm(PROMPT, max_tokens=N, temperature=0.0)["choices"][0]["text"]
+        stats = llm.speculation.stats
+    finally:
+        llm.close()
+    assert got == want
+    assert stats.drafted > N // 2 and stats.accepted == stats.drafted, stats.describe()
+
+
+def test_sampling_with_draft_equal_to_target_keeps_nearly_everything(gemma_path: Path) -> None:
+    """Speculative sampling keeps a drafted token with probability min(1, p/q): with q = p, always, up to the
+    draft computing its distribution in numpy and the target in llama.cpp's sampler chain."""
+    import primaplug
+
+    llm = primaplug.Llama(gemma_path, draft_model=gemma_path, draft_min=2, seed=3, **KWARGS)
+    try:
+        out = llm(PROMPT, max_tokens=N, temperature=0.8, top_k=40, top_p=0.95)["choices"][0]["text"]
+        stats = llm.speculation.stats
+    finally:
+        llm.close()
+    assert out and stats.drafted > 10
+    assert stats.acceptance_rate > 0.9, stats.describe()
+
+
+def test_target_probs_is_the_distribution_llama_cpp_samples_from(gemma_path: Path) -> None:
+    """The p of speculative sampling comes from llama-cpp-python's own sampler chain; numpy's copy of that chain
+    (the draft's q) must agree with it on a real row of logits."""
+    import llama_cpp
+
+    from primaplug.decoding import SamplingParams, draft_probs
+    from primaplug.engine.speculative import target_probs
+
+    plain = llama_cpp.Llama(str(gemma_path), **KWARGS)
+    try:
+        plain.eval(plain.tokenize(PROMPT.encode()))
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(plain._ctx.ctx, -1),
+                                       shape=(plain.n_vocab(),)).copy()
+        for params in (SamplingParams(temp=0.8, top_k=40, top_p=0.95, min_p=0.05),
+                       SamplingParams(temp=1.5, top_k=0, top_p=0.5, min_p=0.0)):
+            sampler = plain._init_sampler(temp=params.temp, top_k=params.top_k, top_p=params.top_p,
+                                          min_p=params.min_p)
+            p = target_probs(sampler, plain._ctx.ctx, -1, plain.n_vocab())
+            q = draft_probs(logits, params)
+            assert p is not None and np.abs(p - q).max() < 1e-5
+        assert target_probs(plain._init_sampler(temp=0.0), plain._ctx.ctx, -1, plain.n_vocab()) is None
+    finally:
+        plain.close()
+
+
+def _plain_tokens(path: Path) -> tuple[list[int], list[int], str]:
+    """The prompt's tokens, and plain llama-cpp-python's N greedy tokens after it, and their text."""
+    import llama_cpp
+
+    plain = llama_cpp.Llama(str(path), **KWARGS)
+    try:
+        prompt = plain.tokenize(PROMPT.encode())
+        out: list[int] = []
+        for t in plain.generate(prompt, temp=0.0):
+            out.append(int(t))
+            if len(out) == N:
+                break
+        return prompt, out, plain.detokenize(out).decode(errors="replace")
+    finally:
+        plain.close()
+
+
+def _held_everywhere(llm: Any) -> list[int]:
+    """The positions each of the head's window contexts and each node holds."""
+    from primaplug.engine import one_per_context
+
+    local = [w.kv_pos_max() + 1 for w in one_per_context(llm._device.windows)]
+    return local + [n.status().kv_positions for n in llm.cluster.nodes]
+
+
+@pytest.mark.parametrize("wrong", [0, 1])
+def test_a_rejected_draft_token_changes_nothing(gemma_path: Path, wrong: int) -> None:
+    """Drafts of two tokens (the default most), the first or the second wrong at every step: the target rejects
+    it, every window forgets the rejected positions with the next trip, and the output is plain
+    llama-cpp-python's."""
+    import primaplug
+
+    prompt, want, _ = _plain_tokens(gemma_path)
+    box: dict[str, Any] = {}
+    seen: list[tuple[int, int, list[int]]] = []
+
+    def check() -> None:  # before each draft: every window holds exactly the positions the last trip left
+        if "llm" in box:
+            llm = box["llm"]
+            seen.append((llm.session.held, len(llm.session.prefix), _held_everywhere(llm)))
+
+    draft = Scripted(want + [5] * 8, len(prompt), 2, wrong, check)
+    llm = box["llm"] = primaplug.Llama(gemma_path, layers=[6, 6, 6], draft_model=draft, draft_min=2, **KWARGS)
+    try:
+        got = []
+        for t in llm.generate(prompt, temp=0.0):
+            got.append(int(t))
+            if len(got) == N:
+                break
+        stats = llm.speculation.stats
+    finally:
+        llm.close()
+    assert got == want
+    assert len(seen) > N // 3 and all(held == [h] * len(held) for h, _, held in seen), seen
+    # rewinds cost no trip: the rejected positions stay until the next trip, which starts where the prefix ends
+    # (llama.cpp refuses a batch that does not continue what its cache holds: every window forgot them first)
+    assert any(h > kept for h, kept, _ in seen)
+    kept_per_step = 0 if wrong == 0 else 1
+    assert stats.drafted > N // 3 and abs(stats.accepted - kept_per_step * stats.drafted / 2) <= 1, stats.describe()
+
+
+def test_a_draft_of_another_vocabulary_is_refused(gemma_path: Path, model_dir: Path) -> None:
+    import primaplug
+    from primaplug.core.errors import ConfigError
+
+    other = synthetic_path(model_dir, "llama", 7, "Q8_0")
+    with pytest.raises(ConfigError, match="cannot draft for .*same tokenizer"):
+        primaplug.Llama(gemma_path, draft_model=other, **KWARGS)
+    with pytest.raises(ConfigError, match="not a file"):
+        primaplug.Llama(gemma_path, draft_model=str(model_dir / "missing.gguf"), **KWARGS)
