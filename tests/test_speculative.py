@@ -105,19 +105,43 @@ def test_target_probs_is_the_distribution_llama_cpp_samples_from(gemma_path: Pat
         plain.close()
 
 
-def _plain_tokens(path: Path) -> tuple[list[int], list[int], str]:
-    """The prompt's tokens, and plain llama-cpp-python's N greedy tokens after it, and their text."""
+def greedy_tokens(llm: Any, prompt: list[int]) -> list[int]:
+    """N greedy tokens after the prompt, through llama-cpp-python's generate loop (where drafts go)."""
+    out: list[int] = []
+    for t in llm.generate(prompt, temp=0.0):
+        out.append(int(t))
+        if len(out) == N:
+            break
+    return out
+
+
+def scripted_run(llm_factory: Callable[[Scripted], Any], prompt: list[int], want: list[int], wrong: int | None,
+                 check: Callable[[Any], Any]) -> tuple[list[int], list[tuple[int, int, Any]], Any]:
+    """Generate through a Llama whose draft is Scripted; before each draft, record (positions the session says the
+    ring holds, its prefix's length, check(llm)). Returns the tokens, the records and the speculation's stats."""
+    box: dict[str, Any] = {}
+    seen: list[tuple[int, int, Any]] = []
+
+    def record() -> None:
+        if "llm" in box:
+            llm = box["llm"]
+            seen.append((llm.session.held, len(llm.session.prefix), check(llm)))
+
+    llm = box["llm"] = llm_factory(Scripted(want + [5] * 8, len(prompt), 2, wrong, record))
+    try:
+        return greedy_tokens(llm, prompt), seen, llm.speculation.stats
+    finally:
+        llm.close()
+
+
+def _plain_tokens(path: Path) -> tuple[list[int], list[int]]:
+    """The prompt's tokens, and plain llama-cpp-python's N greedy tokens after it."""
     import llama_cpp
 
     plain = llama_cpp.Llama(str(path), **KWARGS)
     try:
         prompt = plain.tokenize(PROMPT.encode())
-        out: list[int] = []
-        for t in plain.generate(prompt, temp=0.0):
-            out.append(int(t))
-            if len(out) == N:
-                break
-        return prompt, out, plain.detokenize(out).decode(errors="replace")
+        return prompt, greedy_tokens(plain, prompt)
     finally:
         plain.close()
 
@@ -137,26 +161,10 @@ def test_a_rejected_draft_token_changes_nothing(gemma_path: Path, wrong: int) ->
     llama-cpp-python's."""
     import primaplug
 
-    prompt, want, _ = _plain_tokens(gemma_path)
-    box: dict[str, Any] = {}
-    seen: list[tuple[int, int, list[int]]] = []
-
-    def check() -> None:  # before each draft: every window holds exactly the positions the last trip left
-        if "llm" in box:
-            llm = box["llm"]
-            seen.append((llm.session.held, len(llm.session.prefix), _held_everywhere(llm)))
-
-    draft = Scripted(want + [5] * 8, len(prompt), 2, wrong, check)
-    llm = box["llm"] = primaplug.Llama(gemma_path, layers=[6, 6, 6], draft_model=draft, draft_min=2, **KWARGS)
-    try:
-        got = []
-        for t in llm.generate(prompt, temp=0.0):
-            got.append(int(t))
-            if len(got) == N:
-                break
-        stats = llm.speculation.stats
-    finally:
-        llm.close()
+    prompt, want = _plain_tokens(gemma_path)
+    got, seen, stats = scripted_run(
+        lambda draft: primaplug.Llama(gemma_path, layers=[6, 6, 6], draft_model=draft, draft_min=2, **KWARGS),
+        prompt, want, wrong, _held_everywhere)
     assert got == want
     assert len(seen) > N // 3 and all(held == [h] * len(held) for h, _, held in seen), seen
     # rewinds cost no trip: the rejected positions stay until the next trip, which starts where the prefix ends

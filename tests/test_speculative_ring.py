@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_speculative import KWARGS, N, Scripted, _held_everywhere, _plain_tokens
+from tests.test_speculative import KWARGS, N, _held_everywhere, _plain_tokens, scripted_run
 
 pytestmark = pytest.mark.multiproc
 
@@ -19,29 +19,14 @@ def test_rejections_on_a_ring_of_nodes(gemma_path: Path, tmp_path: Path) -> None
     import primaplug
     from primaplug.head.launch import LocalNodes
 
-    prompt, want, _ = _plain_tokens(gemma_path)
-    box: dict[str, Any] = {}
-    seen: list[tuple[int, list[int]]] = []
-
-    def check() -> None:
-        if "llm" in box:
-            seen.append((box["llm"].session.held, _held_everywhere(box["llm"])))
-
+    prompt, want = _plain_tokens(gemma_path)
     with LocalNodes(gemma_path, 2, log_dir=tmp_path) as local:
-        draft = Scripted(want + [5] * 8, len(prompt), 2, None, check)
-        llm = box["llm"] = primaplug.Llama(gemma_path, nodes=local.addresses, layers=[6, 6, 6], node_threads=1,
-                                           draft_model=draft, draft_min=2, **KWARGS)
-        try:
-            got = []
-            for t in llm.generate(prompt, temp=0.0):
-                got.append(int(t))
-                if len(got) == N:
-                    break
-            stats = llm.speculation.stats
-        finally:
-            llm.close()
+        got, seen, stats = scripted_run(
+            lambda draft: primaplug.Llama(gemma_path, nodes=local.addresses, layers=[6, 6, 6], node_threads=1,
+                                          draft_model=draft, draft_min=2, **KWARGS),
+            prompt, want, None, _held_everywhere)
     assert got == want
-    assert len(seen) > N // 3 and all(held == [h] * 3 for h, held in seen), seen  # 2 nodes and the head
+    assert len(seen) > N // 3 and all(held == [h] * 3 for h, _, held in seen), seen  # 2 nodes and the head
     assert 0 < stats.accepted < stats.drafted
 
 
