@@ -200,12 +200,17 @@ def chart(results: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_testbed_args(ap: argparse.ArgumentParser) -> None:
+    """The devices and the model larger than their memory (this benchmark's, and benchmarks/verify_cost.py's)."""
     ap.add_argument("--devices", default="paper-d1-d4/24",
                     help="device file or preset[/scale] (default paper-d1-d4/24)")
     ap.add_argument("--size", default="1800M", help="synthetic model size (default 1800M)")
     ap.add_argument("--layers", type=int, default=32)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_testbed_args(ap)
     ap.add_argument("--fit-size", default="300M", help="the model that fits the caps (default 300M)")
     ap.add_argument("--tokens", type=int, default=4, help="decoded tokens per run (default 4)")
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens (default 16)")

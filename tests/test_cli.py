@@ -128,3 +128,18 @@ def test_gpu_layers_are_refused_with_a_planned_scheduler_or_a_wrong_count() -> N
         primaplug.Llama("no-such-model.gguf", nodes=["127.0.0.1:1"], node_gpu_layers=2)
     with pytest.raises(ConfigError, match=r"one count \(0 or more\) per node \(2\).*got \[1\]"):
         primaplug.Llama("no-such-model.gguf", nodes=["127.0.0.1:1", "127.0.0.1:2"], layers=[9, 9], node_gpu_layers=[1])
+
+
+@pytest.mark.multiproc
+def test_plan_and_run_with_a_draft(gemma_path) -> None:
+    """`plan` says whether drafting pays on the ring (the draft timed on the head); `run` drafts, reports what was
+    kept, and gives plain llama-cpp-python's tokens."""
+    out = run_cli("plan", "--local-nodes", "2", "-m", str(gemma_path), "--model-draft", str(gemma_path), "-c", "512")
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"speculation: a drafted token costs [\d.]+ ms, a trip round the ring [\d.]+ ms", out.stdout)
+    text = "Text: one two three four five six seven eight. Again: one two three four five"
+    out = run_cli("run", "-m", str(gemma_path), "--layers", "9,9", "--model-draft", "prompt-lookup", "--draft-min",
+                  "2", "-p", text, "-n", "16", "--temp", "0", "-c", "512", "--verify")
+    assert out.returncode == 0, out.stderr
+    assert "gave the same 16 tokens" in out.stderr
+    assert re.search(r"speculation: \d+/\d+ drafted tokens kept", out.stderr), out.stderr

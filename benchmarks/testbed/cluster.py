@@ -12,10 +12,13 @@ the head is an emulated device like the others (the planner profiles it as one).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import shutil
 import signal
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -49,6 +52,24 @@ def unwind_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, _raise_terminated)
 
     pass
+
+
+@contextlib.contextmanager
+def testbed_script(name: str) -> Iterator[None]:
+    """A benchmark script's testbed runs: SIGTERM unwinds like Ctrl-C, warnings only (llama.cpp's log quiet); a
+    machine without cgroups, Ctrl-C or SIGTERM end the script with a line, status 2 or 130, once the testbed has
+    removed what it made."""
+    unwind_on_sigterm()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("primaplug.llama").setLevel(logging.ERROR)  # llama.cpp's own log
+    try:
+        yield
+    except cgroups.CgroupUnavailableError as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except (KeyboardInterrupt, Terminated):
+        print(f"{name}: interrupted; nodes stopped and cgroups removed", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 class Testbed:

@@ -12,7 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ASSUMED_ACCEPTANCE = 0.7  # what a plan assumes before anything is measured (Leviathan et al. report 0.6-0.8)
-_PROBE_EVERY = 16  # steps between probes with one drafted token while drafting does not pay
+# every this many steps, a step tries the other regime: none while drafting pays (a trip of one row: without it every
+# trip has the same rows, and the cost of a further row cannot be told), one drafted token while it does not. That
+# probe costs the draft catching up with everything since it last ran, so while drafting keeps not paying, the
+# probes come ever more rarely (the gap doubles, up to _PROBE_MAX steps)
+_PROBE_EVERY, _PROBE_MAX = 32, 1024
 
 
 def expected_tokens(acceptance: float, n: int) -> float:
@@ -43,7 +47,8 @@ class DraftLength:
         self._kept, self._decided = 2 * ASSUMED_ACCEPTANCE, 2.0  # a prior worth two tokens
         self._draft = [0.0, 0.0]  # decayed (seconds, tokens) of drafting
         self._trips: list[tuple[int, float]] = []  # recent (rows, seconds) of trips
-        self._steps_at_zero = 0
+        # the first probe comes early: until a one-row trip is timed, a further row seems to cost nothing
+        self._steps, self._next_probe, self._gap = 0, 2, _PROBE_EVERY
 
     @property
     def acceptance(self) -> float:
@@ -69,11 +74,15 @@ class DraftLength:
         if draft_s is None or trip is None:
             return self.n_max  # until costs are measured
         n, _ = _best(self.acceptance, draft_s, trip[0], trip[1], self.n_min, self.n_max)
-        if n == 0:  # drafting does not pay now; try one token now and then to learn whether that changed
-            self._steps_at_zero += 1
-            if self._steps_at_zero % _PROBE_EVERY == 0:
-                return min(1, self.n_max)
-        return n
+        self._steps += 1
+        if n > 0 and self._gap > _PROBE_EVERY:  # drafting pays again: probe at the usual pace
+            self._gap, self._next_probe = _PROBE_EVERY, self._steps + _PROBE_EVERY
+        if self._steps < self._next_probe:
+            return n
+        if n == 0:
+            self._gap = min(2 * self._gap, _PROBE_MAX)
+        self._next_probe = self._steps + self._gap
+        return min(1, self.n_max) if n == 0 else self.n_min
 
     def decided(self, kept: bool) -> None:
         self._kept = self._kept * self.decay + kept

@@ -48,6 +48,8 @@ class GgufDraft:
         self.p_min = p_min
         self.n_vocab = self.llm.n_vocab()
 
+    extra_s = 0.0  # the last proposal's catching up beyond one batch
+
     def check_vocab(self, target_vocab: Any, target_name: str) -> None:
         """Raise ConfigError unless the draft's tokens are the target's (same ids, same text), as llama.cpp asks."""
         check_vocab(self.llm._model.vocab, target_vocab, self.path, target_name)
@@ -57,19 +59,21 @@ class GgufDraft:
         """Up to n tokens to follow `context`, and (when sampling) the distribution each was drawn from.
 
         prefill: the positions [start, end) the target evaluated in one batch last (a prompt). The draft catches
-        up in the batches the target used, a prompt in one and the rest by at most 3 rows (which llama.cpp
-        computes as it computes one): the same batches round the same, so a draft equal to the target agrees
-        with it token for token."""
+        up in the batches the target used where it can (a prompt in one; a trip's at most 3 rows, which llama.cpp
+        computes as it computes one): the same batches round the same, so a draft equal to the target that drafts
+        every step agrees with it token for token."""
         llm, ctx = self.llm, [int(t) for t in context]
         held = llm.input_ids[: llm.n_tokens]
         m = int(np.argmin(np.append(held[: len(ctx)] == ctx[: len(held)], False))) if len(held) else 0
         at = llm.n_tokens = min(m, len(ctx) - 1)  # Llama.eval forgets positions from n_tokens on
-        for end in (prefill[0], prefill[1]):
-            if at < end <= len(ctx):
-                llm.eval(ctx[at:end])
-                at = end
-        for i in range(at, len(ctx), 3):
-            llm.eval(ctx[i : i + 3])
+        catch_up = [ctx[a:b] for a, b in _pieces(at, len(ctx), prefill)]
+        t0 = time.perf_counter()
+        for piece in catch_up[:-1]:
+            llm.eval(piece)
+        # a step that follows a step which drafted catches up one batch; more is the price of having skipped
+        # drafting (or a new prompt), not of a drafted token: DraftLength must not count it as one
+        self.extra_s = time.perf_counter() - t0
+        llm.eval(catch_up[-1])
         tokens: list[int] = []
         qs: list[np.ndarray] = []
         for i in range(n):
@@ -89,6 +93,23 @@ class GgufDraft:
 
     def close(self) -> None:
         self.llm.close()
+
+
+def _pieces(at: int, end: int, prefill: tuple[int, int]) -> list[tuple[int, int]]:
+    """The batches [start, stop) that evaluate positions at..end: the target's last prefill in one, and what
+    followed in one trip's batch (at most 3 rows after a step that drafted); after steps that did not draft, the
+    stretch in one batch and the last token alone."""
+    out: list[tuple[int, int]] = []
+    for stop in (prefill[0], prefill[1]):
+        if at < stop <= end:
+            out.append((at, stop))
+            at = stop
+    if end - at > 3:  # drafting was skipped for a while: one batch, then the last token as the target ran it
+        out.append((at, end - 1))
+        at = end - 1
+    if at < end:
+        out.append((at, end))
+    return out
 
 
 def check_vocab(draft_vocab: Any, target_vocab: Any, draft_name: str, target_name: str) -> None:
@@ -158,7 +179,8 @@ class Speculation(LlamaDraftModel):
                 cut = next(i for i, t in enumerate(tokens) if not 0 <= t < self.n_vocab)
                 tokens, qs = tokens[:cut], (qs[:cut] if qs is not None else None)
         seconds = time.perf_counter() - t0
-        self.length.drafted(len(tokens), seconds)
+        extra = self.source.extra_s if isinstance(self.source, GgufDraft) and tokens else 0.0
+        self.length.drafted(len(tokens), seconds - extra)
         self.stats.draft_s += seconds
         self.pending = Drafted(len(input_ids), tokens, qs) if tokens else None
         return np.array(tokens, dtype=np.intc)
