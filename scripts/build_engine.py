@@ -46,12 +46,7 @@ GPU_FLAGS = {
 # sleep between calls. libgomp's workers spin after every call instead, which on a device running several
 # processes (or the apps people use) takes the cores the next computation needs: on 2 cores a one-node ring
 # decoded at 1.7x plain llama's time per token with OpenMP and within noise of it without.
-# llamafile's sgemm off: it multiplies a batch of 2 or more rows (F16/F32 tensors, the attention's among them) in
-# another order than the kernel llama.cpp uses for one row, so a speculative trip verifying 1 + n rows rounded
-# differently from plain decoding and could change a greedy token (docs/speculative.md); without it a row's
-# result does not depend on the batch it comes in, up to 3 rows (repacked weights use gemm from 4, repack.cpp).
-BASE_FLAGS = ["-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_OPENMP=OFF",
-              "-DGGML_LLAMAFILE=OFF"]
+BASE_FLAGS = ["-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_OPENMP=OFF"]
 
 
 class BuildError(Exception):
