@@ -194,3 +194,23 @@ def test_a_node_that_does_not_answer_is_marked_failed_with_what_to_do(gemma_path
     assert "primaplug node -m" in error and "--listen 127.0.0.1:9" in error
     assert [e.state for e in seen] == ["connecting", "failed"]
     c.close()
+
+
+def test_the_coordinator_counts_a_draft_in_the_head_and_the_plan(gemma_path: Path) -> None:
+    """The draft's memory is taken off the head's before planning, and every plan says whether drafting pays
+    (the draft timed once on this device)."""
+    from primaplug.head.planning import Measured
+
+    app = recorded_app(gemma_path, PlanRequest("even"))
+    assert app.coordinator.choice.plan.speculation is None
+    app.coordinator.close()
+    c = Coordinator(gemma_path, [n["address"] for n in RECORD["nodes"]], draft_model=gemma_path)
+    assert c.plan_settings.head_reserved_bytes > gemma_path.stat().st_size
+    for n in RECORD["nodes"]:
+        e = c.nodes[n["address"]]
+        e.own, e.name, e.facts = n["own"], n["name"], n["facts"]
+    c.measured = Measured(MODEL, DEVICES, RECORD["measured"]["link_latency_s"], RECORD["measured"]["link_bps"])
+    spec = c.plan(PlanRequest("even")).plan.speculation
+    assert spec is not None and spec.draft_token_s > 0 and spec.trip_s == c.choice.plan.total_s
+    assert c.plan(PlanRequest("even", rounds=2)).plan.speculation.draft_token_s == spec.draft_token_s  # timed once
+    c.close()
