@@ -171,8 +171,8 @@ def alternatives_table(chosen: Plan, alternatives: Sequence[tuple[int, Plan | st
 
 def figures(ttft_s: float, tpot_s: float, tokens: int, predicted_s: float | None,
             drafts: tuple[int, int] | None = None) -> Text:
-    """TTFT, TPOT measured against predicted, tokens per second, and with a draft the (kept, decided) drafted
-    tokens."""
+    """TTFT, TPOT measured against predicted, tokens per second, and with a draft the share of drafted tokens kept
+    (drafts: kept, decided)."""
     out = Text()
     rows = [("TTFT", f"{ttft_s * 1e3:.0f} ms" if ttft_s else "-", ""),
             ("TPOT", f"{tpot_s * 1e3:.1f} ms" if tpot_s else "-", "bold"),
@@ -187,9 +187,8 @@ def figures(ttft_s: float, tpot_s: float, tokens: int, predicted_s: float | None
             out.append(f", {tokens + 1} tokens", style="dim")
         if label == "TTFT" and drafts is not None:  # on this line: the figures keep their four lines
             kept, decided = drafts
-            out.append("  drafts ", style="dim")
-            out.append(f"{kept / decided:.0%} kept" if decided else "none verified yet")
-            out.append(f" ({kept} of {decided})" if decided else "", style="dim")
+            out.append("  drafts ", style="dim")  # short: the figures column is narrow at 80 columns
+            out.append(f"{kept / decided:.0%} kept" if decided else "none yet")
         out.append("\n")
     out.rstrip()
     return out
