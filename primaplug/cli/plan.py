@@ -43,9 +43,8 @@ def main(args: argparse.Namespace) -> int:
         try:
             cluster.connect()
             ps = plan_settings(args)
-            if args.model_draft and args.model_draft != "prompt-lookup":
-                ps = dataclasses.replace(ps, head_reserved_bytes=draft_bytes(args.model_draft, args.ctx_size,
-                                                                             args.batch_size, args.ubatch_size))
+            ps = dataclasses.replace(ps, head_reserved_bytes=draft_bytes(args.model_draft, args.ctx_size,
+                                                                         args.batch_size, args.ubatch_size))
             measured = measure(cluster, path, layout, ps)
             print(profiles_table(measured))
             plan = plan_cluster(cluster, measured, ps)

@@ -164,9 +164,11 @@ class RingLlama(llama_cpp.Llama):
             raise ValueError(f"Requested tokens ({n_past + n}) exceed context window of {len(self.input_ids)}")
         mode = "all" if self._logits_all else "keep"  # "keep": the sampler reads them in llama.cpp's buffer
         spec = self.speculation
-        drafted = spec.pending if spec is not None and spec.pending is not None \
-            and spec.pending.start + len(spec.pending.tokens) == n_past + n else None
-        rows = n if self._logits_all else min(n, 1 + len(drafted.tokens)) if drafted else 1
+        pending = spec.pending if spec is not None else None
+        # a trip that carries drafted tokens ends with them: their rows, and the sampled token's before them
+        drafted = pending if pending is not None and pending.start + len(pending.tokens) == n_past + n else None
+        wanted = 1 + len(drafted.tokens) if drafted is not None else 1
+        rows = n if self._logits_all else min(n, wanted)
 
         def output(hidden: np.ndarray, pos: int) -> None:
             first = n_past + n - rows

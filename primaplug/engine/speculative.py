@@ -10,7 +10,6 @@ LlamaPromptLookupDecoding, which proposes deterministically.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import time
 from dataclasses import dataclass
@@ -25,30 +24,25 @@ from primaplug.core.errors import ConfigError
 from primaplug.core.settings import DRAFT_MAX, DRAFT_MIN
 from primaplug.decoding import DraftLength, SamplingParams, SpeculationStats, draft_probs
 
-log = logging.getLogger(__name__)
-
-# llama.cpp also stops a greedy draft at a token its draft gives less than --draft-p-min (0.75); here that is off by
-# default: the length follows the measured acceptance and costs (decoding.DraftLength), and on a ring, where a trip
-# costs many drafted tokens, stopping at every uncertain token drafts too little
-DRAFT_P_MIN = 0.0
 VOCAB_SLACK = 128  # llama.cpp's SPEC_VOCAB_MAX_SIZE_DIFFERENCE: a draft's vocabulary may differ by this much
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 
 
 class GgufDraft:
     """A small GGUF model on the head that drafts: it keeps its own KV cache of the conversation and extends it.
-    Greedy drafts stop early once the draft's top token is less likely than p_min (as llama.cpp's do)."""
 
-    def __init__(self, path: str | os.PathLike[str], *, n_ctx: int, n_batch: int, n_threads: int,
-                 p_min: float = DRAFT_P_MIN) -> None:
+    It drafts as many tokens as it is asked for. llama.cpp also stops a greedy draft at a token the draft gives less
+    than --draft-p-min (0.75); here the length follows the measured acceptance and costs (decoding.DraftLength)
+    instead: on a ring, where a trip costs many drafted tokens, stopping at every uncertain token drafts too little.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, n_ctx: int, n_batch: int, n_threads: int) -> None:
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
             raise ConfigError(f"the draft model {self.path} is not a file: pass a GGUF path (--model-draft)")
         self.llm = llama_cpp.Llama(self.path, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, verbose=False)
-        self.p_min = p_min
         self.n_vocab = self.llm.n_vocab()
-
-    extra_s = 0.0  # the last proposal's catching up beyond one batch
+        self.extra_s = 0.0  # the last proposal's catching up beyond one batch
 
     def check_vocab(self, target_vocab: Any, target_name: str) -> None:
         """Raise ConfigError unless the draft's tokens are the target's (same ids, same text), as llama.cpp asks."""
@@ -80,8 +74,6 @@ class GgufDraft:
             logits = np.ctypeslib.as_array(_ll.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(self.n_vocab,))
             if params.greedy:
                 tok = int(np.argmax(logits))
-                if self.p_min > 0 and 1.0 / np.exp(logits - logits[tok]).sum() < self.p_min:
-                    break
             else:
                 q = draft_probs(logits, params)
                 tok = int(rng.choice(len(q), p=q))
@@ -175,9 +167,9 @@ class Speculation(LlamaDraftModel):
                 tokens, qs = self.source.propose(input_ids, n, self.params, self.rng, self.prefill)
             else:
                 tokens = [int(t) for t in np.asarray(self.source(input_ids))[:n]]
-            if any(not 0 <= t < self.n_vocab for t in tokens):  # a draft with a few more tokens than the target
-                cut = next(i for i, t in enumerate(tokens) if not 0 <= t < self.n_vocab)
-                tokens, qs = tokens[:cut], (qs[:cut] if qs is not None else None)
+            # a draft with a few more tokens than the target: what follows one of those goes
+            cut = next((i for i, t in enumerate(tokens) if not 0 <= t < self.n_vocab), len(tokens))
+            tokens, qs = tokens[:cut], (qs[:cut] if qs is not None else None)
         seconds = time.perf_counter() - t0
         extra = self.source.extra_s if isinstance(self.source, GgufDraft) and tokens else 0.0
         self.length.drafted(len(tokens), seconds - extra)
@@ -273,25 +265,22 @@ def measure_draft(draft: Any, *, n_ctx: int, n_batch: int, n_threads: int) -> fl
     try:
         context = source.llm.tokenize(b"The ring verifies what the head drafts.") if isinstance(source, GgufDraft) \
             else list(range(1, 33))
-        return draft_token_seconds(Speculation(source, n_max=8, n_vocab=1 << 30), context)
+        return draft_token_seconds(source, context)
     finally:
         if isinstance(source, GgufDraft) and source is not draft:
             source.close()
 
 
-def draft_token_seconds(speculation: Speculation, context: list[int], tokens: int = 8) -> float:
+def draft_token_seconds(source: GgufDraft | LlamaDraftModel, context: list[int], tokens: int = 8) -> float:
     """What drafting one token costs on this device, measured: a GGUF draft decodes `tokens` tokens after
-    `context`; any other draft is timed on that context."""
-    src = speculation.source
-    if isinstance(src, GgufDraft):
-        p_min, src.p_min = src.p_min, 0.0
-        try:
-            src.propose(np.asarray(context, dtype=np.intc), 1, SamplingParams(temp=0.0), np.random.default_rng(0))
-            t0 = time.perf_counter()
-            src.propose(np.asarray(context, dtype=np.intc), tokens, SamplingParams(temp=0.0), np.random.default_rng(0))
-            return (time.perf_counter() - t0) / tokens
-        finally:
-            src.p_min = p_min
+    `context` (once first, so that the context is in its cache); any other draft is timed on that context."""
+    ids = np.asarray(context, dtype=np.intc)
+    if isinstance(source, GgufDraft):
+        greedy, rng = SamplingParams(temp=0.0), np.random.default_rng(0)
+        source.propose(ids, 1, greedy, rng)
+        t0 = time.perf_counter()
+        source.propose(ids, tokens, greedy, rng)
+        return (time.perf_counter() - t0) / tokens
     t0 = time.perf_counter()
-    out = src(np.asarray(context, dtype=np.intc))
+    out = source(ids)
     return (time.perf_counter() - t0) / max(1, len(out))

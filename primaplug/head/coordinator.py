@@ -111,9 +111,8 @@ class Coordinator:
         # speculative decoding: the draft stays on the head, so the plan gives the head's windows less memory
         self.draft_model, self.draft_max, self.draft_min = draft_model, draft_max, draft_min
         self._draft_token_s: float | None = None  # measured when a plan is first made
-        if draft_model is not None and os.path.isfile(draft_model):
-            self.plan_settings = dataclasses.replace(self.plan_settings, head_reserved_bytes=draft_bytes(
-                draft_model, n_ctx, n_batch, n_ubatch))
+        self.plan_settings = dataclasses.replace(self.plan_settings, head_reserved_bytes=draft_bytes(
+            draft_model, n_ctx, n_batch, n_ubatch))
         self.chat_format = chat_format or (None if self.layout.has_chat_template else
                                            FALLBACK_CHAT_FORMATS.get(self.layout.arch))
         self.events = events or Events()

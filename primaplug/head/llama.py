@@ -142,8 +142,7 @@ class Llama(RingLlama):
         self.plan: Plan | None = None  # the scheduler's plan, when one was made
         self.speculation: Speculation | None = None
         # the draft's weights, KV cache and buffers stay on the head: less memory for the head's windows
-        reserved = draft_bytes(draft_model, n_ctx, n_batch, n_ubatch) \
-            if isinstance(draft_model, (str, os.PathLike)) and os.path.isfile(draft_model) else 0
+        reserved = draft_bytes(draft_model, n_ctx, n_batch, n_ubatch)
         try:
             self._cluster = cluster = Cluster(self._transport, settings, ModelIdentity.of(layout, path.name),
                                               self.events)
@@ -172,9 +171,9 @@ class Llama(RingLlama):
                 self.speculation = open_speculation(draft_model, target=self._device.model, n_ctx=n_ctx,
                                                     n_batch=n_batch, n_threads=threads, n_min=draft_min,
                                                     n_max=draft_max)
-                if self.plan is not None:
+                if self.plan is not None and self.plan.speculation is None:  # a plan given may carry it already
                     probe = self._device.model.tokenize("The ring verifies what the head drafts.")
-                    self.plan = plan_with_speculation(self.plan, draft_token_seconds(self.speculation, probe),
+                    self.plan = plan_with_speculation(self.plan, draft_token_seconds(self.speculation.source, probe),
                                                       draft_min, draft_max)
                     self.events.publish(Notice(self.plan.speculation.describe()))  # type: ignore[union-attr]
             cluster.deploy()

@@ -77,11 +77,14 @@ def plan_cluster(cluster: Cluster, measured: Measured, settings: PlanSettings) -
     return plan
 
 
-def draft_bytes(path: str | os.PathLike[str], n_ctx: int, n_batch: int, n_ubatch: int) -> int:
-    """The memory a draft GGUF takes on the head: its weights, a KV cache of n_ctx positions and its buffers."""
-    layout = read_layout(path)
+def draft_bytes(draft: object, n_ctx: int, n_batch: int, n_ubatch: int) -> int:
+    """The memory a draft GGUF takes on the head: its weights, a KV cache of n_ctx positions and its buffers (0 for
+    a draft that is not a GGUF file: a prompt lookup, a LlamaDraftModel, or a path that loading will refuse)."""
+    if not isinstance(draft, (str, os.PathLike)) or not os.path.isfile(draft):
+        return 0
+    layout = read_layout(draft)
     kv = n_ctx * sum(layout.kv_bytes_per_token(il) for il in range(layout.n_layer))
-    return os.path.getsize(path) + kv + compute_buffer_output_bytes(layout, n_ctx, n_batch, n_ubatch)
+    return os.path.getsize(draft) + kv + compute_buffer_output_bytes(layout, n_ctx, n_batch, n_ubatch)
 
 
 def plan_with_speculation(plan: Plan, draft_token_s: float, n_min: int, n_max: int) -> Plan:
