@@ -143,3 +143,7 @@ def test_plan_and_run_with_a_draft(gemma_path) -> None:
     assert out.returncode == 0, out.stderr
     assert "gave the same 16 tokens" in out.stderr
     assert re.search(r"speculation: \d+/\d+ drafted tokens kept", out.stderr), out.stderr
+    out = run_cli("run", "-m", str(gemma_path), "--model-draft", "prompt-lookup", "--draft-min", "3",
+                  "--draft-max", "2")
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "draft_min <= draft_max" in out.stderr and "got 3 and 2" in out.stderr

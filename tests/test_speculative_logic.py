@@ -6,7 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from primaplug.decoding import DraftLength, SamplingParams, accept_or_resample, draft_probs, estimate, expected_tokens
+from primaplug.core.errors import ConfigError
+from primaplug.decoding import (
+    DraftLength,
+    SamplingParams,
+    accept_or_resample,
+    check_draft_length,
+    draft_probs,
+    estimate,
+    expected_tokens,
+)
 
 N = 40_000
 
@@ -106,3 +115,7 @@ def test_estimate_says_where_speculation_pays() -> None:
     assert not dear.pays and dear.break_even is None and "does not pay" in dear.describe()
     with pytest.raises(ValueError, match="draft_min"):
         DraftLength(3, 2)
+    for bad in ((3, 2), (0, 0), (-1, 2)):
+        with pytest.raises(ConfigError, match=r"0 <= draft_min <= draft_max and draft_max >= 1 .*--draft-min"):
+            check_draft_length(*bad)
+    check_draft_length(0, 1)

@@ -11,12 +11,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from primaplug.core.errors import ConfigError
+
 ASSUMED_ACCEPTANCE = 0.7  # what a plan assumes before anything is measured (Leviathan et al. report 0.6-0.8)
 # every this many steps, a step tries the other regime: none while drafting pays (a trip of one row: without it every
 # trip has the same rows, and the cost of a further row cannot be told), one drafted token while it does not. That
 # probe costs the draft catching up with everything since it last ran, so while drafting keeps not paying, the
 # probes come ever more rarely (the gap doubles, up to _PROBE_MAX steps)
 _PROBE_EVERY, _PROBE_MAX = 32, 1024
+
+
+def check_draft_length(draft_min: int, draft_max: int) -> None:
+    """Refuse draft bounds that make no sense, before anything is loaded."""
+    if draft_max < 1 or not 0 <= draft_min <= draft_max:
+        raise ConfigError(f"the drafted tokens a trip must satisfy 0 <= draft_min <= draft_max and draft_max >= 1 "
+                          f"(--draft-min, --draft-max); got {draft_min} and {draft_max}")
 
 
 def expected_tokens(acceptance: float, n: int) -> float:

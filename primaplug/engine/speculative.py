@@ -139,8 +139,6 @@ class Speculation(LlamaDraftModel):
 
     def __init__(self, source: GgufDraft | LlamaDraftModel, *, n_min: int = DRAFT_MIN, n_max: int = DRAFT_MAX,
                  n_vocab: int) -> None:
-        if n_max < 1:
-            raise ConfigError(f"draft_max must be at least 1, got {n_max}")
         self.source = source
         self.length = DraftLength(n_min, n_max)
         self.stats = SpeculationStats()

@@ -26,6 +26,7 @@ from primaplug.core.errors import ConfigError, NodeError, NodeUnavailableError, 
 from primaplug.core.profiles import DeviceProfile
 from primaplug.core.settings import DRAFT_MAX, DRAFT_MIN, RunSettings
 from primaplug.core.windows import even_split
+from primaplug.decoding import check_draft_length
 from primaplug.engine import ModelLayout, read_layout
 from primaplug.head.cluster import Cluster, ClusterSettings, describe_device, held_models, unique_names
 from primaplug.head.events import Event, Events, NodeMetrics, NodeProgress, Notice, Planned
@@ -109,6 +110,8 @@ class Coordinator:
         self.n_ctx, self.n_batch, self.n_ubatch, self.node_threads = n_ctx, n_batch, n_ubatch, node_threads
         self.plan_settings = plan_settings or PlanSettings()
         # speculative decoding: the draft stays on the head, so the plan gives the head's windows less memory
+        if draft_model is not None:
+            check_draft_length(draft_min, draft_max)
         self.draft_model, self.draft_max, self.draft_min = draft_model, draft_max, draft_min
         self._draft_token_s: float | None = None  # measured when a plan is first made
         self.plan_settings = dataclasses.replace(self.plan_settings, head_reserved_bytes=draft_bytes(

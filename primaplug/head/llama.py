@@ -20,6 +20,7 @@ from typing import Any
 
 from primaplug.core.errors import ConfigError
 from primaplug.core.settings import DRAFT_MAX, DRAFT_MIN, RunSettings, head_threads
+from primaplug.decoding import check_draft_length
 from primaplug.device import DeviceWindows, MemorySettings
 from primaplug.engine import BUSY_POLL, ContextSettings, read_layout
 from primaplug.engine.ring_llama import RingLlama
@@ -122,6 +123,8 @@ class Llama(RingLlama):
         if planned and any(gpu):
             raise ConfigError(f"node_gpu_layers (-ngl) is for a split by hand (layers / --layers, or scheduler "
                               f"'even'): the {scheduler} scheduler picks each device's GPU layers from its profile")
+        if draft_model is not None:
+            check_draft_length(draft_min, draft_max)
         path = Path(model_path)
         layout = read_layout(path)
         layout.check_supported()
