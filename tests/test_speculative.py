@@ -183,3 +183,32 @@ def test_a_draft_of_another_vocabulary_is_refused(gemma_path: Path, model_dir: P
         primaplug.Llama(gemma_path, draft_model=other, **KWARGS)
     with pytest.raises(ConfigError, match="not a file"):
         primaplug.Llama(gemma_path, draft_model=str(model_dir / "missing.gguf"), **KWARGS)
+
+
+def test_batches_of_up_to_three_rows_round_as_one_row(gemma_path: Path) -> None:
+    """Why a trip of up to 3 rows gives plain decoding's tokens (patch 0009, repack.cpp): plain llama-cpp-python's
+    logits for a greedy continuation evaluated in batches of 2, of 3 and of 1-3 rows equal, bit for bit, those of
+    one token at a time."""
+    import llama_cpp
+
+    plain = llama_cpp.Llama(str(gemma_path), **dict(KWARGS, logits_all=True))
+    try:
+        prompt = plain.tokenize(PROMPT.encode())
+        plain.eval(prompt)
+        one_by_one, out = [], []
+        for _ in range(24):
+            one_by_one.append(plain.scores[plain.n_tokens - 1].copy())
+            out.append(int(np.argmax(one_by_one[-1])))
+            plain.eval([out[-1]])
+        for sizes in ([2], [3], [1, 2, 3]):
+            plain.reset()
+            plain.eval(prompt)
+            i = 0
+            while i < len(out):
+                n = sizes[i % len(sizes)]
+                plain.eval(out[i : i + n])
+                i += n
+            batched = plain.scores[len(prompt) - 1 : len(prompt) - 1 + len(out)]
+            assert np.array_equal(batched, np.array(one_by_one)), f"batches of {sizes} rows round differently"
+    finally:
+        plain.close()
