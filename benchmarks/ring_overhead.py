@@ -68,6 +68,7 @@ def hop_cost(address: str, model: Path, rows: int, repeats: int, gap_s: float = 
         Activation,
         Assignment,
         ModelIdentity,
+        Part,
         WindowSpec,
         decode_ring,
         encode_ring,
@@ -87,8 +88,8 @@ def hop_cost(address: str, model: Path, rows: int, repeats: int, gap_s: float = 
     data = np.random.default_rng(0).standard_normal((rows, 4096)).astype(np.float32)
     times = []
     for step in range(repeats):
-        msg = Activation(proto=PROTOCOL_VERSION, epoch=1, step=step, round=0, seq_id=0, pos0=0, n_rows=rows,
-                         width=4096, dtype="float32", all_rows=True)
+        msg = Activation(proto=PROTOCOL_VERSION, epoch=1, step=step, round=0, parts=(Part(0, 0, rows, True),),
+                         width=4096, dtype="float32")
         time.sleep(gap_s)
         t0 = time.perf_counter()
         out.send(encode_ring(msg, data), 5.0)

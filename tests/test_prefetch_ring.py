@@ -83,7 +83,7 @@ def test_a_head_whose_windows_do_not_fit_streams_them(streaming_model: Path, tmp
                               node_threads=1, **LLAMA_KWARGS)
         try:
             tokens, _ = greedy_scores(llm, prompt, 12)
-            p = llm.session.ring.local.prefetcher  # the head's windows, on the device layer as a node's
+            p = llm.session.ring.ring.local.prefetcher  # the head's windows, on the device layer as a node's
             assert p is not None and p.plan.mode == "stream"
             assert p.stats.bytes_prefetched > 0 and p.stats.bytes_released > 0
             assert p.wait_idle(10), "the prefetcher did not finish"

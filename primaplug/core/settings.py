@@ -25,6 +25,13 @@ DEFAULT_PORT = 7000  # a node's control port; its ring listens on the next one
 # where two nearly tie (benchmarks/speculative.py counts how often).
 DRAFT_MAX, DRAFT_MIN = 2, 0  # --draft-max, --draft-min
 
+# The most rows one trip round the ring carries when it mixes several requests' steps (continuous batching).
+# Below 16 rows llama.cpp multiplies every row with the kernel it uses for a lone row (patch 0010), and each
+# sequence attends over a cache of its own (llama.cpp's per-sequence KV streams), so every request gets the tokens it
+# gets alone, whatever else is in flight; a larger step (a prompt) travels alone.
+EXACT_BATCH_ROWS = 15
+MAX_PARALLEL = 256  # sequences a llama.cpp context may hold (LLAMA_MAX_SEQ)
+
 
 @dataclass(frozen=True)
 class RunSettings:
@@ -35,7 +42,13 @@ class RunSettings:
     cache takes memory only as tokens fill it (patch 0007), so a large default costs nothing until it is used.
     """
 
-    n_ctx: int = 4096
+    n_ctx: int = 4096  # positions each sequence may hold
+    # sequences every window's KV cache holds: requests in flight at once (llama.cpp's --parallel); each takes
+    # n_ctx positions of cache, counted in every device's memory plan
+    n_parallel: int = 1
+    # trips in the ring at once when several requests are in flight; 0: one per device of the ring, so that every
+    # device can work on another request's step at the same moment (pipeline parallelism)
+    ring_trips: int = 0
     n_batch: int = 512  # tokens per batch sent round the ring
     n_ubatch: int = 512  # tokens per compute step inside llama.cpp
     n_threads: int = 0  # the head's compute threads; 0: head_threads() decides

@@ -140,13 +140,15 @@ class DeviceWindows:
         finally:
             self.model.pause_threads()
 
-    def compute(self, round_: int, inputs: np.ndarray, pos0: int, *, seq_id: int = 0) -> np.ndarray:
-        """Run round `round_`'s window (which must exist) over token ids or hidden rows; call done() once its
+    def compute(self, round_: int, inputs: np.ndarray, positions: int | np.ndarray, *,
+                seq_id: int | np.ndarray = 0) -> np.ndarray:
+        """Run round `round_`'s window (which must exist) over token ids or hidden rows: at positions from the
+        first one on, or one per row, with one sequence id for all rows or one per row. Call done() once its
         output has gone on."""
         window = self.windows[round_]
         assert window is not None, f"round {round_} has no window on this device"
         self.hooks.started(round_)
-        return window.forward(inputs, pos0, seq_id=seq_id)
+        return window.forward(inputs, positions, seq_id=seq_id)
 
     def done(self, round_: int) -> None:
         self.hooks.done(round_)

@@ -92,6 +92,14 @@ llama_init_windows_from_model = _bind(
 # LLAMA_API int32_t llama_window_select(struct llama_context * ctx, int32_t i_window);
 llama_window_select = _bind("llama_window_select", [_ll.llama_context_p_ctypes, ctypes.c_int32], ctypes.c_int32)
 
+# LLAMA_API int32_t llama_window_set_logits(struct llama_context * ctx, const float * logits, int32_t n_rows);
+# patches/0010: the context holds n_rows x n_vocab logits as if it had just decoded a batch with n_rows outputs
+llama_window_set_logits = _bind(
+    "llama_window_set_logits",
+    [_ll.llama_context_p_ctypes, ctypes.POINTER(ctypes.c_float), ctypes.c_int32],
+    ctypes.c_int32,
+)
+
 # LLAMA_API size_t llama_window_release_compute(struct llama_context * ctx);
 llama_window_release_compute = _bind("llama_window_release_compute", [_ll.llama_context_p_ctypes], ctypes.c_size_t)
 

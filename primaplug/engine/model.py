@@ -60,6 +60,10 @@ class ContextSettings:
     # nothing a later call reads, and a one-token decode touches only a small part of a buffer sized for n_ubatch
     # rows, so a device keeps that small part per window instead of a prompt-sized buffer each (docs/memory.md)
     release_compute: bool = True
+    # the output-only window of a model used for embeddings: llama.cpp also keeps the output norm's rows (pooled as
+    # pooling_type says; -1: the model's own), which Window.embed reads
+    embeddings: bool = False
+    pooling_type: int = -1
 
     @property
     def threads(self) -> int:
@@ -72,6 +76,7 @@ class ContextSettings:
         p.n_threads = p.n_threads_batch = threads
         p.no_perf = True
         p.flash_attn_type = _ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.flash_attn else _ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        p.embeddings, p.pooling_type = self.embeddings, self.pooling_type
         return p
 
 
@@ -356,18 +361,20 @@ class _Batch:
         self.tokens = n_embd == 0
         self.pos = np.ctypeslib.as_array(self.raw.pos, (n_batch,))
         self.want = np.ctypeslib.as_array(self.raw.logits, (n_batch,))
-        self._seq = -1
+        for k in range(n_batch):
+            self.raw.n_seq_id[k] = 1
+        self._seqs = np.zeros(n_batch, dtype=np.int32)  # what seq_id[k][0] holds, to write only what changes
+        for k in range(n_batch):
+            self.raw.seq_id[k][0] = 0
 
-    def fill(self, rows: np.ndarray, pos: np.ndarray, want: np.ndarray, seq_id: int) -> None:
+    def fill(self, rows: np.ndarray, pos: np.ndarray, want: np.ndarray, seqs: np.ndarray) -> None:
         b, n = self.raw, len(rows)
         ctypes.memmove(b.token if self.tokens else b.embd, rows.ctypes.data, rows.nbytes)
         self.pos[:n] = pos
         self.want[:n] = want
-        if seq_id != self._seq:
-            for k in range(self.n_batch):
-                b.n_seq_id[k] = 1
-                b.seq_id[k][0] = seq_id
-            self._seq = seq_id
+        for k in np.flatnonzero(self._seqs[:n] != seqs):
+            b.seq_id[k][0] = int(seqs[k])
+        self._seqs[:n] = seqs
         b.n_tokens = n
 
     def free(self) -> None:
@@ -453,12 +460,14 @@ class Window:
         inputs: Sequence[int] | np.ndarray,
         positions: int | Sequence[int] | np.ndarray,
         *,
-        seq_id: int = 0,
+        seq_id: int | Sequence[int] | np.ndarray = 0,
         logits: str = "last",
     ) -> np.ndarray:
         """Run the window over a batch of tokens (first window) or hidden states (float32, n x n_embd).
 
         positions: the first position (consecutive positions follow) or one per input row.
+        seq_id: the sequence of every row, or one per row (the rows of several requests in one call; each
+            sequence's rows consecutive positions).
         logits: for a window that outputs logits, "last" (the last row only), "all", or "keep": every row
             computed but left in llama.cpp's buffer, where a llama.cpp sampler reads them (returns no rows).
         Returns hidden states (n x n_embd, float32) or logits (rows x n_vocab, float32).
@@ -470,6 +479,10 @@ class Window:
             else np.asarray(positions, dtype=np.int32)
         if pos.shape != (n,):
             raise ValueError(f"got {n} inputs but {pos.shape[0] if pos.ndim else 1} positions")
+        seqs = np.full(n, seq_id, dtype=np.int32) if isinstance(seq_id, (int, np.integer)) \
+            else np.asarray(seq_id, dtype=np.int32)
+        if seqs.shape != (n,):
+            raise ValueError(f"got {n} inputs but {seqs.shape[0] if seqs.ndim else 1} sequence ids")
         if logits not in ("last", "all", "keep"):
             raise ValueError(f"logits must be 'last', 'all' or 'keep', not {logits!r}")
         width = self.n_embd if self.output_hidden else self.n_vocab
@@ -478,11 +491,14 @@ class Window:
             # continue the ones it saw last; the ring hands it the last row of each batch, at any position (a
             # batch of n_batch rows ends n_batch on, a conversation goes back): it forgets what it saw
             _ll.llama_memory_clear(_ll.llama_get_memory(self._ctx), False)
-        elif self._index in (None, 0) and self.kv_pos_max(seq_id) >= pos[0]:
+        elif self._index in (None, 0):
             # a batch at position p replaces what the cache holds from p on (a rewind the head did not send round
             # the ring: a rejected draft, a conversation going another way); a window sharing this context reuses
             # the cells the first one places, so only the first forgets
-            self.kv_remove(seq_id, int(pos[0]))
+            for s in np.unique(seqs):
+                first = int(pos[seqs == s].min())
+                if self.kv_pos_max(int(s)) >= first:
+                    self.kv_remove(int(s), first)
         out: list[np.ndarray] = []
         for i in range(0, n, self.settings.n_batch):
             j = min(n, i + self.settings.n_batch)
@@ -492,7 +508,7 @@ class Window:
                 want = np.zeros(j - i, dtype=np.int8)
                 want[-1] = j == n
             n_out = int(want.sum())
-            self._decode(rows[i:j], pos[i:j], want, seq_id)
+            self._decode(rows[i:j], pos[i:j], want, seqs[i:j])
             if n_out and (self.output_hidden or logits != "keep"):
                 src = _ll.llama_get_embeddings(self._ctx) if self.output_hidden else _ll.llama_get_logits(self._ctx)
                 # one copy out of llama.cpp's buffer (np.ctypeslib.as_array costs more than the copy here)
@@ -517,14 +533,14 @@ class Window:
             raise ValueError(f"window {self.layers} takes hidden states shaped (n, {self.n_embd}), got {rows.shape}")
         return rows
 
-    def _decode(self, rows: np.ndarray, pos: np.ndarray, want: np.ndarray, seq_id: int) -> None:
+    def _decode(self, rows: np.ndarray, pos: np.ndarray, want: np.ndarray, seqs: np.ndarray) -> None:
         ctx, n = self.context, len(rows)
         if self._index is not None and ctx.selected != self._index:
             if _native.llama_window_select(self._ctx, self._index) != 0:
                 raise EngineError(f"window {self.layers}: could not select it: {_log.take_errors() or 'see the log'}")
             ctx.selected = self._index
         batch = ctx.batch(self.takes_tokens)
-        batch.fill(rows, pos, want, seq_id)
+        batch.fill(rows, pos, want, seqs)
         if ctx.progress is not None:
             ctx.progress.on_layer = self._on_layer
             ctx.progress.reset()
@@ -537,6 +553,37 @@ class Window:
                 f"{_decode_failure(code, err, self.settings.n_ctx)}" + (f" (llama.cpp: {err})" if err else ""),
                 code,
             )
+
+    def embed(self, hidden: np.ndarray) -> np.ndarray:
+        """Embeddings of one sequence's final hidden rows (n x n_embd, at most n_batch), from the output-only window
+        opened with ContextSettings(embeddings=True): the output norm's rows (n x n_embd) or, with pooling, their
+        pooled row (1 x n_embd), as llama.cpp computes them for a whole model."""
+        self._check_open()
+        rows = self._rows(hidden)
+        n = len(rows)
+        if self.layers.n_layers or not self.settings.embeddings or n > self.settings.n_batch:
+            raise ValueError(f"embeddings come from the output-only window opened with embeddings on, for at most "
+                             f"{self.settings.n_batch} rows (window {self.layers}, {n} rows)")
+        _ll.llama_memory_clear(_ll.llama_get_memory(self._ctx), False)
+        self._decode(rows, np.arange(n, dtype=np.int32), np.ones(n, dtype=np.int8), np.zeros(n, dtype=np.int32))
+        pooled = _ll.llama_pooling_type(self._ctx) != _ll.LLAMA_POOLING_TYPE_NONE
+        src = _ll.llama_get_embeddings_seq(self._ctx, 0) if pooled else _ll.llama_get_embeddings(self._ctx)
+        count = (1 if pooled else n) * self.n_embd
+        raw = ctypes.string_at(ctypes.cast(src, ctypes.c_void_p).value or 0, count * 4)
+        return np.frombuffer(raw, dtype=np.float32).reshape(-1, self.n_embd)
+
+    def set_logits(self, logits: np.ndarray) -> None:
+        """Make this window's context hold these logits (rows x n_vocab) as if it had just computed them, for
+        llama.cpp's samplers to read: the head computes the output layer once for the rows of several sequences
+        and hands each sequence's context its own."""
+        self._check_open()
+        rows = np.ascontiguousarray(logits, dtype=np.float32)
+        if rows.ndim != 2 or rows.shape[1] != self.n_vocab or not len(rows):
+            raise ValueError(f"logits are shaped (n, {self.n_vocab}), got {rows.shape}")
+        ptr = rows.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        if _native.llama_window_set_logits(self._ctx, ptr, len(rows)) != 0:
+            raise EngineError(f"window {self.layers}: could not hold {len(rows)} rows of logits: "
+                              f"{_log.take_errors() or 'see the log'}")
 
     # --- KV cache --------------------------------------------------------------------------------------------
 

@@ -1,9 +1,10 @@
 """A llama_cpp.Llama whose layers run elsewhere: the head's face to the user.
 
-llama-cpp-python samples straight from a llama.cpp context's logits (`llama_sampler_sample(ctx, -1)`), so the
-head keeps one real context: the output-only window [n_layer, n_layer), which turns the hidden states that come
-back from the ring into logits. Everything above `eval` (tokenizer, chat templates, samplers, grammars,
-logprobs, streaming, prefix reuse, the OpenAI-compatible server) is llama-cpp-python's own code, unchanged.
+llama-cpp-python samples straight from a llama.cpp context's logits (`llama_sampler_sample(ctx, -1)`), so each
+RingLlama keeps one real context, over the output-only window [n_layer, n_layer), and the session hands it the
+logits the ring's driver computed for its rows (Window.set_logits): the driver runs the output layer once for the
+rows of every request in a trip (head/batching.py). Everything above `eval` (tokenizer, chat templates, samplers,
+grammars, logprobs, streaming, prefix reuse, the OpenAI-compatible server) is llama-cpp-python's own code.
 
 Llama.__init__ would load the whole model; while it runs, its `LlamaModel` and `LlamaContext` are swapped for
 two wrappers over the head's windowed model and its output-only window (for this thread only).
@@ -33,7 +34,7 @@ class Session(Protocol):
     """The conversation on the ring: what the head's context hands its tokens and KV operations to
     (primaplug.head.Session fits)."""
 
-    def eval(self, tokens: Sequence[int], pos0: int, *, all_rows: bool = False,
+    def eval(self, tokens: Sequence[int], pos0: int, *, all_rows: bool = False, hidden: bool = False,
              output: Callable[[np.ndarray, int], None] | None = None) -> None: ...
 
     def rewind(self, pos: int) -> None: ...
@@ -42,6 +43,7 @@ class Session(Protocol):
 
 
 _GENERATE = inspect.signature(llama_cpp.Llama.generate)
+_COMPLETION = inspect.signature(llama_cpp.Llama._create_completion)
 _building = threading.local()
 _swap_lock = threading.Lock()
 
@@ -65,7 +67,8 @@ class _HeadContext(_internals.LlamaContext):
     def __init__(self, *, model: Any, params: Any, verbose: bool = True) -> None:
         head: Model = _building.model
         settings = ContextSettings(n_ctx=params.n_ctx, n_batch=params.n_batch, n_ubatch=params.n_ubatch,
-                                   n_threads=params.n_threads, n_seq_max=params.n_seq_max)
+                                   n_threads=params.n_threads, n_seq_max=params.n_seq_max,
+                                   embeddings=params.embeddings, pooling_type=params.pooling_type)
         n = head.layout.n_layer
         self.window: Window = head.window(n, n, settings=settings)
         self.model, self.params, self.verbose = model, params, verbose
@@ -127,9 +130,8 @@ class RingLlama(llama_cpp.Llama):
                  **kwargs: Any) -> None:
         if not head.output:
             raise PrimaplugError("the head's model must be loaded with output=True: the head runs the output layer")
-        for unsupported in ("lora_path", "embedding"):
-            if kwargs.get(unsupported):
-                raise PrimaplugError(f"{unsupported} is not supported over a ring yet")
+        if kwargs.get("lora_path"):
+            raise PrimaplugError("lora_path is not supported over a ring yet")
         if kwargs.get("draft_model") is not None:
             raise PrimaplugError("give primaplug.Llama the draft (draft_model=...): it builds the speculation")
         self._head, self._session = head, session
@@ -137,6 +139,9 @@ class RingLlama(llama_cpp.Llama):
         with _head_parts(head, session):
             super().__init__(head.path, **kwargs)
         self._out: Window = self._ctx.window  # type: ignore[attr-defined]
+        # the rows whose logits eval keeps in self.scores while _logits_all is on: "all", or "last" (a request's
+        # logprobs without echo read only the rows before each generated token)
+        self._logprob_rows = "all"
         # llama-cpp-python's generate drafts through draft_model; set after __init__, which would otherwise keep
         # logits for every position of the context (n_ctx x n_vocab floats): the head keeps only a trip's rows
         self.speculation = self.draft_model = speculation
@@ -154,6 +159,26 @@ class RingLlama(llama_cpp.Llama):
                                    None if self._seed == llama_cpp.LLAMA_DEFAULT_SEED else self._seed)
         return super().generate(tokens, *args, **kwargs)
 
+    def _create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        """llama_cpp.Llama._create_completion; a request for logprobs keeps the logits of the rows they read for
+        that request only (llama-cpp-python would need logits_all=True, logits for every row of every request)."""
+        bound = _COMPLETION.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        if bound.arguments["logprobs"] is None or self._logits_all:
+            yield from super()._create_completion(*args, **kwargs)
+            return
+        n_ctx = len(self.input_ids)
+        if len(self.scores) < n_ctx:  # zero pages until written: memory only for the rows a request keeps
+            self.scores = np.zeros((n_ctx, self._n_vocab), dtype=np.single)
+        echo = bool(bound.arguments["echo"])
+        if echo:
+            self.n_tokens = 0  # every prompt row's logits: no prefix reuse for this one
+        self._logits_all, self._logprob_rows = True, "all" if echo else "last"
+        try:
+            yield from super()._create_completion(*args, **kwargs)
+        finally:
+            self._logits_all, self._logprob_rows = False, "all"
+
     def eval(self, tokens: Sequence[int]) -> None:
         """Run tokens through the ring from position n_tokens (the session rewinds its prefix to there first); the
         logits land in the head's context, where llama-cpp-python's sampler reads them: of the last row, or of
@@ -162,22 +187,22 @@ class RingLlama(llama_cpp.Llama):
         if n_past + n > len(self.input_ids):  # the n_ctx asked for (llama.cpp pads its own to a multiple of 256)
             # llama-cpp-python's own words for it (Llama.create_completion), so callers see one error either way
             raise ValueError(f"Requested tokens ({n_past + n}) exceed context window of {len(self.input_ids)}")
-        mode = "all" if self._logits_all else "keep"  # "keep": the sampler reads them in llama.cpp's buffer
         spec = self.speculation
         pending = spec.pending if spec is not None else None
         # a trip that carries drafted tokens ends with them: their rows, and the sampled token's before them
         drafted = pending if pending is not None and pending.start + len(pending.tokens) == n_past + n else None
         wanted = 1 + len(drafted.tokens) if drafted is not None else 1
-        rows = n if self._logits_all else min(n, wanted)
+        every = self._logits_all and self._logprob_rows == "all"
+        rows = n if every else min(n, wanted)
 
-        def output(hidden: np.ndarray, pos: int) -> None:
+        def output(logits: np.ndarray, pos: int) -> None:
             first = n_past + n - rows
-            if pos + len(hidden) <= first:
+            if pos + len(logits) <= first:
                 return
-            hidden, pos = (hidden[first - pos :], first) if pos < first else (hidden, pos)
-            logits = self._out.forward(hidden, pos, logits=mode)
-            if self._logits_all:
+            logits, pos = (logits[first - pos :], first) if pos < first else (logits, pos)
+            if self._logits_all:  # logprobs read them here
                 self.scores[pos : pos + len(logits), :] = logits
+            self._out.set_logits(logits)
 
         t0 = time.perf_counter()
         self._session.eval(list(tokens), n_past, all_rows=rows > 1, output=output)
@@ -216,8 +241,32 @@ class RingLlama(llama_cpp.Llama):
             self.speculation = self.draft_model = None
         super().close()
 
-    def embed(self, *args: Any, **kwargs: Any) -> Any:
-        raise PrimaplugError("embeddings are not supported over a ring")
+    def embed(self, input: str | list[str], normalize: bool = False, truncate: bool = True,  # noqa: A002 (its name)
+              return_count: bool = False) -> Any:
+        """llama_cpp.Llama.embed: each input goes round the ring alone (its final hidden rows come back) and the
+        head's output-only window applies the output norm and the model's pooling, as llama.cpp does for the whole
+        model. Needs embedding=True, as llama-cpp-python does."""
+        if not self.context_params.embeddings:
+            raise RuntimeError("Llama model must be created with embedding=True to call this method")
+        data: list[Any] = []
+        total = 0
+        for text in [input] if isinstance(input, str) else input:
+            tokens = self.tokenize(text.encode("utf-8"))
+            if truncate:
+                tokens = tokens[: self.n_batch]
+            if len(tokens) > self.n_batch:
+                raise ValueError(f"Requested tokens ({len(tokens)}) exceed batch size of {self.n_batch}")
+            total += len(tokens)
+            rows: list[np.ndarray] = []
+            self._session.eval(tokens, 0, all_rows=True, hidden=True, output=lambda h, _pos, into=rows: into.append(h))
+            vectors = [v.tolist() for v in self._out.embed(np.concatenate(rows))]
+            if normalize:
+                vectors = [_internals.normalize_embedding(v) for v in vectors]
+            pooled = llama_cpp.llama_pooling_type(self._ctx.ctx) != llama_cpp.LLAMA_POOLING_TYPE_NONE
+            data.append(vectors[0] if pooled else vectors)
+        self.reset()  # the ring's caches no longer hold what llama-cpp-python last evaluated
+        output = data[0] if isinstance(input, str) else data
+        return (output, total) if return_count else output
 
     def save_state(self) -> Any:
         raise PrimaplugError("saving state is not supported over a ring yet (the KV cache lives on the nodes)")

@@ -32,6 +32,7 @@ from primaplug.wire import (
     Activation,
     Assignment,
     ModelIdentity,
+    Part,
     Welcome,
     WindowSpec,
     decode_ring,
@@ -53,7 +54,8 @@ class ClusterSettings:
     layers: tuple[int, ...] | None = None  # layers per round for each node, then optionally for the head
     rounds: int = 1
     gpu_layers: tuple[int, ...] | None = None  # per node: how many of the first layers of each window go on its GPU
-    n_ctx: int = _RUN.n_ctx
+    n_ctx: int = _RUN.n_ctx  # positions a sequence may hold
+    n_parallel: int = _RUN.n_parallel  # sequences every window's cache holds (requests in flight)
     n_batch: int = _RUN.n_batch
     n_ubatch: int = _RUN.n_ubatch
     n_threads: int = _RUN.node_threads  # on each node; 0: all its cores
@@ -175,8 +177,8 @@ class Cluster:
                 data = np.zeros((n_rows, self.model.n_embd), np.float32)
                 trips = []
                 for step in range(repeats):
-                    msg = Activation(proto=PROTOCOL_VERSION, epoch=epoch, step=step, round=0, seq_id=0, pos0=0,
-                                     n_rows=n_rows, width=self.model.n_embd, dtype="float32", all_rows=True)
+                    msg = Activation(proto=PROTOCOL_VERSION, epoch=epoch, step=step, round=0,
+                                     parts=(Part(0, 0, n_rows, True),), width=self.model.n_embd, dtype="float32")
                     t0 = time.perf_counter()
                     sent = out.send(encode_ring(msg, data), s.timeout_s)
                     got = self._head_in.recv(s.timeout_s) if sent else None
@@ -260,7 +262,8 @@ class Cluster:
         for i, n in enumerate(self.nodes):
             windows = tuple(WindowSpec(r.start, r.end, min(self.node_gpu[i], r.n_layers)) for r in self.node_ranges[i])
             n.load(Assignment(epoch=self.epoch, model=self.model, windows=windows, successor=self._successor(i),
-                              n_ctx=s.n_ctx, n_batch=s.n_batch, n_ubatch=s.n_ubatch, n_threads=s.n_threads))
+                              n_ctx=s.n_ctx * s.n_parallel, n_batch=s.n_batch, n_ubatch=s.n_ubatch,
+                              n_threads=s.n_threads, n_seq_max=s.n_parallel))
         t0 = time.perf_counter()
         self._wait_loaded(self.epoch, report=True)
         nodes = tuple((n.name, tuple(r)) for n, r in zip(self.nodes, self.node_ranges, strict=True))
@@ -296,6 +299,18 @@ class Cluster:
             self._outs.append(out)
         return RingHead(self.nodes, self.ring_in, out, self.epoch, local, len(self.head_ranges), self.model.n_layer,
                         self.model.n_embd, self.settings.timeout_s)
+
+    def problem(self, timeout_s: float) -> str | None:
+        """None when every node answers ready with this assignment; else what is wrong, in a sentence."""
+        for n in self.nodes:
+            try:
+                st = n.status(timeout_s=timeout_s)
+            except (NodeError, NodeUnavailableError, ProtocolError) as e:
+                return f"node {n} does not answer: {e}"
+            if st.state != "ready" or st.epoch != self.epoch:
+                return (f"node {n} is {st.state} with assignment {st.epoch}, not {self.epoch}"
+                        f"{': ' + st.message if st.message else ''} (did it restart? the ring must be deployed again)")
+        return None
 
     def metrics(self) -> None:
         """Ask every node for its detailed status and publish it (NodeMetrics)."""

@@ -14,21 +14,23 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from primaplug.core.errors import ConfigError
-from primaplug.core.settings import DRAFT_MAX, DRAFT_MIN, RunSettings, head_threads
+from primaplug.core.settings import DRAFT_MAX, DRAFT_MIN, MAX_PARALLEL, RunSettings, head_threads
 from primaplug.decoding import check_draft_length
 from primaplug.device import DeviceWindows, MemorySettings
 from primaplug.engine import BUSY_POLL, ContextSettings, read_layout
 from primaplug.engine.ring_llama import RingLlama
 from primaplug.engine.speculative import Speculation, draft_token_seconds, open_speculation
+from primaplug.head.batching import Batcher
 from primaplug.head.cluster import Cluster, ClusterSettings, Route
 from primaplug.head.events import Events, Notice
 from primaplug.head.planning import PlanSettings, draft_bytes, measure, plan_cluster, plan_with_speculation
 from primaplug.head.session import Session
+from primaplug.head.slots import Slots
 from primaplug.memory.prefetcher import Switches
 from primaplug.profiler import compute_buffer_output_bytes
 from primaplug.scheduler import SCHEDULERS, Plan
@@ -81,6 +83,13 @@ class Llama(RingLlama):
             says how many drafted tokens were kept.
         draft_max, draft_min: the most and fewest tokens drafted a step (llama.cpp's --draft-max, --draft-min);
             in between, the length follows the measured acceptance rate and the cost of drafting against a trip.
+        n_parallel: requests in flight at once (llama.cpp's --parallel): every window's cache holds this many
+            sequences of n_ctx positions each, counted in every device's memory plan. create_completion,
+            create_chat_completion and __call__ may then be called from as many threads at once: each call takes
+            a free sequence for its whole duration (a stream: until it ends or is closed), preferring the one
+            that holds the longest prefix of its prompt, and waits while all are busy. Their steps go round the
+            ring together (head/batching.py); each gets the tokens it gets alone.
+        ring_trips: trips in the ring at once when several requests are in flight (0: one per device).
         **kwargs: llama_cpp.Llama's own arguments (n_ctx, n_batch, n_ubatch, n_threads, seed, chat_format, ...);
             n_ctx, n_batch and n_ubatch default to primaplug's RunSettings (4096, 512, 512).
     """
@@ -108,9 +117,19 @@ class Llama(RingLlama):
         draft_model: Any = None,
         draft_max: int = DRAFT_MAX,
         draft_min: int = DRAFT_MIN,
+        n_parallel: int = _RUN.n_parallel,
+        ring_trips: int = _RUN.ring_trips,
         **kwargs: Any,
     ) -> None:
         nodes = tuple(nodes or ())
+        if not 1 <= n_parallel <= MAX_PARALLEL:
+            raise ConfigError(f"n_parallel (--parallel) is the number of requests in flight: 1 to {MAX_PARALLEL}, "
+                              f"got {n_parallel}")
+        if n_parallel > 1 and draft_model is not None:
+            raise ConfigError("speculative decoding (a draft model) serves one request at a time for now: use "
+                              "n_parallel 1 (--parallel 1) with a draft, or no draft with several in flight")
+        if ring_trips < 0:
+            raise ConfigError(f"ring_trips must be 0 (one per device) or more, got {ring_trips}")
         if scheduler not in (*SCHEDULERS, "even"):
             raise ConfigError(f"unknown scheduler {scheduler!r}: choose halda, memory, compute or even")
         if plan is not None and (layers is not None or not nodes):
@@ -138,7 +157,8 @@ class Llama(RingLlama):
         self._owns_transport = transport is None
         self._transport: Transport | None = transport or ZmqTransport(load_keys(keys) if keys else None)
         settings = ClusterSettings(nodes=nodes, layers=tuple(layers) if layers else None, rounds=rounds or 1,
-                                   n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=node_threads,
+                                   n_ctx=n_ctx, n_parallel=n_parallel, n_batch=n_batch, n_ubatch=n_ubatch,
+                                   n_threads=node_threads,
                                    listen=listen, timeout_s=timeout_s, route=route, gpu_layers=gpu)
         self._cluster: Cluster | None = None
         self._device: DeviceWindows | None = None
@@ -163,8 +183,8 @@ class Llama(RingLlama):
             else:
                 cluster.plan()
             # the head's windows live on the device layer, as a node's do: same memory plan, same prefetch hooks
-            context = ContextSettings(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
-                                      poll=BUSY_POLL)
+            context = ContextSettings(n_ctx=n_ctx * n_parallel, n_batch=n_batch, n_ubatch=n_ubatch,
+                                      n_threads=threads, poll=BUSY_POLL, n_seq_max=n_parallel)
             self._device = DeviceWindows.load(
                 path, layout, cluster.head_ranges, context=context,
                 memory=MemorySettings(budget_bytes=memory_budget, switches=memory_switches or Switches()),
@@ -180,11 +200,63 @@ class Llama(RingLlama):
                                                       draft_min, draft_max)
                     self.events.publish(Notice(self.plan.speculation.describe()))  # type: ignore[union-attr]
             cluster.deploy()
-            self.session = Session(cluster.ring(self._device), n_batch=n_batch, events=self.events)
-            super().__init__(self._device.model, self.session, speculation=self.speculation, **kwargs)
+            model = self._device.model
+            output = model.window(layout.n_layer, layout.n_layer, settings=dataclasses.replace(
+                context, n_ctx=n_ctx, n_seq_max=1, poll=0))
+            self._batcher = Batcher(cluster.ring(self._device), output, n_batch=n_batch, trips=ring_trips)
+            self.session = Session(self._batcher, n_batch=n_batch, events=self.events)
+            super().__init__(model, self.session, speculation=self.speculation, **kwargs)
+            # the other sequences: a llama-cpp-python front each (its sampler, its prefix), on the same ring
+            self._slots = Slots([self] + [
+                RingLlama(model, Session(self._batcher, n_batch=n_batch, events=self.events, seq_id=i), **kwargs)
+                for i in range(1, n_parallel)])
         except BaseException:
             self._close_ring()
             raise
+
+    @property
+    def n_parallel(self) -> int:
+        """Requests this Llama serves at once (sequences on the ring)."""
+        return self._slots.size
+
+    @property
+    def requests_running(self) -> int:
+        """Calls that hold a sequence now."""
+        return self._slots.running
+
+    @property
+    def requests_waiting(self) -> int:
+        """Calls waiting for a free sequence."""
+        return self._slots.waiting
+
+    def _create_completion(self, prompt: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        """Every completion (create_completion, create_chat_completion, __call__) runs on a free sequence, which
+        it holds until it ends; this Llama's own is one of them."""
+        slot = self._slots.acquire(prompt, self.tokenize)
+        try:
+            if slot is self:
+                yield from super()._create_completion(prompt, *args, **kwargs)
+            else:
+                yield from slot._create_completion(prompt, *args, **kwargs)
+        finally:
+            self._slots.release(slot)
+            self._batcher.idle(slot._session.seq_id)  # type: ignore[attr-defined]
+
+    def embed(self, input: str | list[str], *args: Any, **kwargs: Any) -> Any:  # noqa: A002 (llama-cpp-python's name)
+        """llama_cpp.Llama.embed, on a free sequence (create_embedding comes here too)."""
+        first = input if isinstance(input, str) else (input[0] if input else "")
+        slot = self._slots.acquire(first, self.tokenize)
+        try:
+            return super().embed(input, *args, **kwargs) if slot is self else slot.embed(input, *args, **kwargs)
+        finally:
+            self._slots.release(slot)
+            self._batcher.idle(slot._session.seq_id)
+
+    def ring_problem(self, timeout_s: float = 1.0) -> str | None:
+        """None when every node answers ready with this head's assignment; else what is wrong, in a sentence."""
+        if self._cluster is None:
+            return "this Llama is closed"
+        return self._cluster.problem(min(timeout_s, self._cluster.settings.timeout_s))
 
     @property
     def cluster(self) -> Cluster:
@@ -192,6 +264,11 @@ class Llama(RingLlama):
         return self._cluster
 
     def _close_ring(self) -> None:
+        if getattr(self, "_batcher", None) is not None:
+            self._batcher.close()  # type: ignore[union-attr]
+            self._batcher = None
+        for slot in getattr(self, "_slots", Slots([])).others(self):
+            slot.close()
         if getattr(self, "speculation", None) is not None:
             self.speculation.close()  # type: ignore[union-attr]
             self.speculation = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -43,14 +44,21 @@ class NodeClient:
         self.name = address  # replaced by the node's own name after hello()
         self.welcome: Welcome | None = None
         self.last_status: Status | None = None
+        self.last_heard = 0.0  # time.monotonic() of the node's last reply, to a request or a probe
         self._probe: int | None = None
+        # the ring's driver probes while request threads ask (ring_problem, metrics): one socket, one at a time
+        self._lock = threading.Lock()
 
     def __str__(self) -> str:
         return self.name if self.name == self.address else f"{self.name} ({self.address})"
 
     def _ask(self, req: ControlRequest, timeout_s: float | None = None) -> ControlReply:
         t = self.timeout_s if timeout_s is None else timeout_s
-        body = self.client.request(encode(req), t)
+        with self._lock:
+            body = self.client.request(encode(req), t)
+            self._probe = None  # its reply, if any came first, was dropped: this one counts instead
+            if body is not None:
+                self.last_heard = time.monotonic()
         if body is None:
             raise NodeUnavailableError(self.name, f"node {self} did not answer {type(req).__name__} within {t:.1f} s "
                                        "(is it running, and does it hold the same cluster key?)")
@@ -66,8 +74,8 @@ class NodeClient:
         self.welcome, self.name = reply, reply.node
         return reply
 
-    def _status_reply(self, req: ControlRequest) -> Status:
-        reply = self._ask(req)
+    def _status_reply(self, req: ControlRequest, timeout_s: float | None = None) -> Status:
+        reply = self._ask(req, timeout_s)
         if not isinstance(reply, Status):
             raise ProtocolError(f"node {self} answered {type(req).__name__} with {type(reply).__name__}")
         self.last_status = reply
@@ -76,9 +84,9 @@ class NodeClient:
     def load(self, assignment: Assignment) -> Status:
         return self._status_reply(LoadAssignment(assignment=assignment))
 
-    def status(self, detail: bool = False) -> Status:
+    def status(self, detail: bool = False, timeout_s: float | None = None) -> Status:
         """The node's state; with detail, also its memory measurements (prefetch, faults, residency, pressure)."""
-        return self._status_reply(GetStatus(detail=detail))
+        return self._status_reply(GetStatus(detail=detail), timeout_s)
 
     def profile(self, model: str, *, force: bool = False, timeout_s: float = LOAD_TIMEOUT_S,
                 progress: Callable[[str], None] | None = None) -> DeviceProfile:
@@ -107,16 +115,19 @@ class NodeClient:
 
     def probe(self) -> None:
         """Ask for a status without waiting; poll_probe() collects it."""
-        if self._probe is None:
-            self._probe = self.client.send(encode(GetStatus()))
+        with self._lock:
+            if self._probe is None:
+                self._probe = self.client.send(encode(GetStatus()))
 
     def poll_probe(self) -> Status | None:
-        if self._probe is None:
-            return None
-        body = self.client.take_reply(self._probe, 0)
-        if body is None:
-            return None
-        self._probe = None
+        with self._lock:
+            if self._probe is None:
+                return None
+            body = self.client.take_reply(self._probe, 0)
+            if body is None:
+                return None
+            self._probe = None
+            self.last_heard = time.monotonic()
         reply = decode_reply(body)
         if isinstance(reply, Status):
             self.last_status = reply
@@ -124,4 +135,5 @@ class NodeClient:
         return None
 
     def close(self) -> None:
-        self.client.close()
+        with self._lock:
+            self.client.close()

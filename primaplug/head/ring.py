@@ -1,23 +1,21 @@
-"""The head's end of the ring: send a batch round it, run the head's own windows, and watch for dead nodes.
+"""The head's end of the ring: send messages round it, run the head's own windows, and watch for dead nodes.
 
-With k rounds a batch goes round k times; in each round every node runs its window of that round and the head
-runs its own last, so the model's final layer lands on the head, which runs the output layer (in the caller).
+With k rounds a trip goes round k times; in each round every node runs its window of that round and the head
+runs its own last, so the model's final layer lands on the head, which runs the output layer (head/batching.py).
 While it waits, the head asks the nodes for their status (after half a second of silence, on the control
-channel): a node that answers nothing for `timeout_s` is reported dead, with what the ring was doing.
+channel): a node that answers nothing for `timeout_s` is reported dead, with what the ring was doing (Watch).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Sequence
 
-import msgspec
 import numpy as np
 
 from primaplug.core.errors import NodeError, NodeUnavailableError, ProtocolError
-from primaplug.core.settings import PROBE_AFTER_S, TIMEOUT_S
+from primaplug.core.settings import TIMEOUT_S
 from primaplug.device import DeviceWindows
 from primaplug.head.nodes import NodeClient
 from primaplug.transport import RingIn, RingOut
@@ -25,6 +23,7 @@ from primaplug.wire import (
     PROTOCOL_VERSION,
     Activation,
     KvOp,
+    Part,
     RingError,
     RingMessage,
     decode_ring,
@@ -37,7 +36,7 @@ log = logging.getLogger(__name__)
 class RingHead:
     """The ring as the head drives it: the nodes in ring order, then the head's own windows (`local`, one per round;
     None when the head runs only the output layer). Without nodes the head runs every window itself, one per
-    "round". The session numbers the steps."""
+    "round". It sends and receives messages and runs the head's windows; head/batching.py decides what goes when."""
 
     def __init__(self, nodes: Sequence[NodeClient], ring_in: RingIn | None, ring_out: RingOut | None, epoch: int,
                  local: DeviceWindows | None, rounds: int, n_layer: int, n_embd: int,
@@ -50,77 +49,64 @@ class RingHead:
         self.n_layer, self.n_embd = n_layer, n_embd
         self.timeout_s = timeout_s
 
-    def forward(self, tokens: Sequence[int] | np.ndarray, pos0: int, step: int, *, seq_id: int = 0,
-                all_rows: bool = False) -> np.ndarray:
-        """Hidden states after the last layer: of every token (all_rows) or of the last one only."""
-        rows: np.ndarray = np.asarray(tokens, dtype=np.int32).reshape(-1, 1)
-        msg = Activation(proto=PROTOCOL_VERSION, epoch=self.epoch, step=step, round=0, seq_id=seq_id,
-                         pos0=pos0, n_rows=len(rows), width=1, dtype="int32", all_rows=all_rows)
-        what = f"{'prefill of' if len(rows) > 1 else 'decode of'} {len(rows)} token(s) at position {pos0}"
-        # alone, the head's windows run back to back: its threads stay awake from the first to the last
-        with self.local.awake() if self.local is not None and not self.nodes else contextlib.nullcontext():
-            for r in range(self.rounds):
-                msg = msgspec.structs.replace(msg, round=r)
-                got, out = self._round_trip(msg, rows, f"{what}, round {r + 1}/{self.rounds}")
-                assert isinstance(got, Activation) and out is not None
-                msg, rows = self._local(r, got, out, seq_id)
-        if msg.dtype != "float32" or msg.width != self.n_embd:
-            raise ProtocolError(f"the ring returned {msg.dtype} rows of width {msg.width}, not hidden states")
-        return rows
+    @property
+    def has_nodes(self) -> bool:
+        return self.ring_out is not None and self.ring_in is not None
 
-    def _local(self, r: int, msg: Activation, rows: np.ndarray, seq_id: int) -> tuple[Activation, np.ndarray]:
-        """The head's own window of round r, if it has one."""
+    def activation(self, step: int, parts: Sequence[Part]) -> Activation:
+        """The message that takes token ids of these parts into round 0."""
+        return Activation(proto=PROTOCOL_VERSION, epoch=self.epoch, step=step, round=0, parts=tuple(parts),
+                          width=1, dtype="int32")
+
+    def kv_op(self, step: int, seq_id: int, p0: int = 0, p1: int = -1) -> KvOp:
+        return KvOp(proto=PROTOCOL_VERSION, epoch=self.epoch, step=step, op="remove", seq_id=seq_id, p0=p0, p1=p1)
+
+    def send(self, msg: RingMessage, rows: np.ndarray | None, what: str) -> None:
+        """Hand a message to the first node."""
+        assert self.ring_out is not None
+        if not self.ring_out.send(encode_ring(msg, rows), self.timeout_s):
+            raise NodeUnavailableError(self.nodes[0].name, f"node {self.nodes[0]} did not take step {msg.step} "
+                                       f"({what}) within {self.timeout_s:.1f} s")
+
+    def recv(self, timeout_s: float) -> tuple[RingMessage, np.ndarray | None] | None:
+        """The next message back from the last node that belongs to this assignment, or None after timeout_s."""
+        assert self.ring_in is not None
+        frames = self.ring_in.recv(timeout_s)
+        if frames is None:
+            return None
+        got, out = decode_ring(frames)
+        if got.epoch != self.epoch:
+            log.debug("dropped a ring message of assignment %d step %d", got.epoch, got.step)
+            if isinstance(got, RingError):
+                log.warning("node %s reported: %s", got.node, got.message)
+            return None
+        return got, out
+
+    def local_round(self, r: int, msg: Activation, rows: np.ndarray) -> tuple[Activation, np.ndarray]:
+        """The head's own window of round r over the message's rows, if it has one; what goes on."""
         w = self.local.window(r) if self.local is not None else None
         if w is None:
             return msg, rows
         assert self.local is not None
         inputs = rows[:, 0] if w.takes_tokens else rows
-        with self.local.awake() if self.nodes else contextlib.nullcontext():
-            out = self.local.compute(r, inputs, msg.pos0, seq_id=seq_id)
+        with self.local.awake() if self.nodes else contextlib.nullcontext():  # alone: awake for the whole trip
+            out = self.local.compute(r, inputs, msg.positions(), seq_id=msg.seq_ids())
         self.local.done(r)
         return window_output(msg, out, last_layer=w.layers.end == self.n_layer)
 
-    def kv_remove(self, step: int, seq_id: int, p0: int, p1: int = -1) -> None:
-        self._kv(KvOp(proto=PROTOCOL_VERSION, epoch=self.epoch, step=step, op="remove", seq_id=seq_id, p0=p0, p1=p1))
-
-    def kv_clear(self, step: int) -> None:
-        self._kv(KvOp(proto=PROTOCOL_VERSION, epoch=self.epoch, step=step, op="clear"))
-
-    def _kv(self, op: KvOp) -> None:
-        self._round_trip(op, None, f"kv {op.op} from position {op.p0}")
+    def local_kv(self, op: KvOp) -> None:
         if self.local is not None:
             self.local.kv_clear() if op.op == "clear" else self.local.kv_remove(op.seq_id, op.p0, op.p1)
 
-    # --- one trip round the nodes ------------------------------------------------------------------------------
+    def check_hidden(self, msg: Activation) -> None:
+        if msg.dtype != "float32" or msg.width != self.n_embd:
+            raise ProtocolError(f"the ring returned {msg.dtype} rows of width {msg.width}, not hidden states")
 
-    def _round_trip(self, msg: RingMessage, rows: np.ndarray | None,
-                    what: str) -> tuple[RingMessage, np.ndarray | None]:
-        if self.ring_out is None or self.ring_in is None:  # no nodes: the head runs every window
-            return msg, rows
-        if not self.ring_out.send(encode_ring(msg, rows), self.timeout_s):
-            raise NodeUnavailableError(self.nodes[0].name, f"node {self.nodes[0]} did not take step {msg.step} "
-                                       f"({what}) within {self.timeout_s:.1f} s")
-        start = time.monotonic()
-        watch = _Watch(self.nodes, start)
-        while True:
-            frames = self.ring_in.recv(0.05)
-            if frames is not None:
-                got, out = decode_ring(frames)
-                if got.epoch == self.epoch and got.step == msg.step:
-                    if isinstance(got, RingError):
-                        raise NodeError(got.node, got.code, f"{got.message} (during {what})")
-                    return got, out
-                log.debug("dropped a ring message of assignment %d step %d", got.epoch, got.step)
-                if isinstance(got, RingError):
-                    log.warning("node %s reported: %s", got.node, got.message)
-                continue
-            now = time.monotonic()
-            if now - start > PROBE_AFTER_S:
-                watch.poll(now)
-                watch.check(now, self.timeout_s, self.epoch, f"step {msg.step} ({what})")
+    def watch(self, now: float) -> Watch:
+        return Watch(self.nodes, now)
 
 
-class _Watch:
+class Watch:
     """What the head hears from the nodes while it waits for one ring message."""
 
     def __init__(self, nodes: Sequence[NodeClient], now: float) -> None:
@@ -130,7 +116,7 @@ class _Watch:
 
     def poll(self, now: float) -> None:
         for n in self.nodes:
-            if n.poll_probe() is not None:
+            if n.poll_probe() is not None or n.last_heard > self.heard[n]:  # a probe, or another request's reply
                 self.heard[n] = now
             n.probe()
 

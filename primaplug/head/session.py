@@ -1,7 +1,9 @@
 """A session: the one place that owns a conversation on the ring.
 
-It holds the prefix (the tokens whose keys and values the ring's caches hold, position by position), numbers the
-steps it sends round the ring, applies the failure policy, and publishes what it does. llama-cpp-python's prefix
+It holds the prefix (the tokens whose keys and values the ring's caches hold for its sequence, position by
+position), applies the failure policy, and publishes what it does. Several sessions share one ring, each on a
+sequence of its own (seq_id): their batches go to the ring's driver (head/batching.py), which sends them round
+together. llama-cpp-python's prefix
 reuse, speculative decoding's rollback and recovery onto a new ring all go through it:
 
 - eval(tokens, pos0): rewinds to pos0 first when the prefix is longer, then sends the tokens in batches of n_batch;
@@ -21,21 +23,32 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 
 from primaplug.core.errors import NodeUnavailableError, PrimaplugError
 from primaplug.head.events import BatchDone, Events, NodeProgress, SessionChanged
-from primaplug.head.ring import RingHead
 
 log = logging.getLogger(__name__)
 
-# output(hidden rows after the last layer, position of the first row): what the caller does with a batch's result
+# output(rows of logits (or hidden states), position of the first row): what the caller does with a batch's result
 Output = Callable[[np.ndarray, int], None]
 
 
+class Ring(Protocol):
+    """What a session needs of the ring (head/batching.py: Batcher)."""
+
+    epoch: int
+
+    def forward(self, tokens: Sequence[int], pos0: int, *, seq_id: int = 0, all_rows: bool = False,
+                hidden: bool = False) -> np.ndarray: ...
+
+    def kv_remove(self, seq_id: int, p0: int = 0, p1: int = -1) -> None: ...
+
+
 class Session:
-    def __init__(self, ring: RingHead, *, n_batch: int, events: Events | None = None, seq_id: int = 0) -> None:
+    def __init__(self, ring: Ring, *, n_batch: int, events: Events | None = None, seq_id: int = 0) -> None:
         if n_batch < 1:
             raise PrimaplugError(f"n_batch must be at least 1, got {n_batch}")
         self.ring = ring
@@ -57,10 +70,11 @@ class Session:
         """The assignment the session's ring runs."""
         return self.ring.epoch
 
-    def eval(self, tokens: Sequence[int], pos0: int, *, all_rows: bool = False, output: Output | None = None) -> None:
+    def eval(self, tokens: Sequence[int], pos0: int, *, all_rows: bool = False, hidden: bool = False,
+             output: Output | None = None) -> None:
         """Evaluate `tokens` at positions pos0, pos0 + 1, ...: the prefix is rewound to pos0 first (a conversation
-        that goes another way from there), which must not lie past its end. `output` gets each batch's hidden
-        states after the last layer: every row with all_rows, else the batch's last row."""
+        that goes another way from there), which must not lie past its end. `output` gets each batch's logits
+        (hidden: its hidden states after the last layer): every row with all_rows, else the batch's last row."""
         if pos0 > len(self.prefix):
             raise PrimaplugError(f"cannot evaluate from position {pos0}: the ring holds {len(self.prefix)} positions")
         self._recover()
@@ -71,7 +85,7 @@ class Session:
             step = next(self._steps)
             t0 = time.perf_counter()
             try:
-                hidden = self.ring.forward(batch, p, step, seq_id=self.seq_id, all_rows=all_rows)
+                out = self.ring.forward(batch, p, seq_id=self.seq_id, all_rows=all_rows, hidden=hidden)
             except BaseException as e:
                 self._failed(f"step {step} ({len(batch)} token(s) at position {p}): {e}", e)
                 raise
@@ -79,7 +93,7 @@ class Session:
             self.held = len(self.prefix)
             self.events.publish(BatchDone(step, p, len(batch), time.perf_counter() - t0))
             if output is not None:
-                output(hidden, p + len(batch) - len(hidden))
+                output(out, p + len(batch) - len(out))
 
     def rewind(self, pos: int) -> None:
         """Forget positions pos, pos + 1, ... (nothing to do when the prefix ends before pos); the devices forget
@@ -93,9 +107,9 @@ class Session:
         self.events.publish(SessionChanged("rewind", pos))
 
     def clear(self) -> None:
-        """Forget everything, on every device."""
+        """Forget the whole conversation, on every device."""
         try:
-            self.ring.kv_clear(next(self._steps))
+            self.ring.kv_remove(self.seq_id, 0)
         except BaseException as e:
             self._failed(f"clearing the caches: {e}", e)
             raise
@@ -104,7 +118,7 @@ class Session:
         self._stale = False
         self.events.publish(SessionChanged("clear", 0))
 
-    def replay(self, ring: RingHead | None = None) -> None:
+    def replay(self, ring: Ring | None = None) -> None:
         """Rebuild the prefix's keys and values on `ring` (default: the session's own ring, after a failure) and go
         on there: the new ring's caches are cleared, then the prefix goes round it in batches."""
         if ring is not None:

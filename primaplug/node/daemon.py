@@ -281,7 +281,8 @@ class Node:
                 raise ProtocolError(f"message of assignment {msg.epoch}, this node runs assignment {dep.epoch}")
             out: tuple[Activation | KvOp | RingError, np.ndarray | None]
             if isinstance(msg, Activation):
-                self._activity = f"computing step {msg.step} round {msg.round}: {msg.n_rows} row(s) at {msg.pos0}"
+                self._activity = (f"computing step {msg.step} round {msg.round}: {msg.n_rows} row(s) of "
+                                  f"{len(msg.parts)} sequence(s)")
                 t0 = time.perf_counter()
                 out = dep.run(msg, rows)  # type: ignore[arg-type]
                 self._busy_s += time.perf_counter() - t0

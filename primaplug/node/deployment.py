@@ -66,11 +66,14 @@ class Deployment:
         a = self.assignment
         if msg.round >= len(a.windows):
             raise ProtocolError(f"round {msg.round} does not exist: the assignment has {len(a.windows)} round(s)")
-        if msg.seq_id >= a.n_seq_max:
-            raise ProtocolError(f"unknown sequence {msg.seq_id}: this assignment has {a.n_seq_max} sequence(s)")
-        if msg.pos0 + msg.n_rows > a.n_ctx:
-            raise ProtocolError(f"positions {msg.pos0}..{msg.pos0 + msg.n_rows - 1} exceed the context of "
-                                f"{a.n_ctx} tokens")
+        if msg.n_rows > a.n_batch:
+            raise ProtocolError(f"{msg.n_rows} rows in one message: this assignment's batches hold {a.n_batch}")
+        for p in msg.parts:
+            if p.seq_id >= a.n_seq_max:
+                raise ProtocolError(f"unknown sequence {p.seq_id}: this assignment has {a.n_seq_max} sequence(s)")
+            if p.pos0 + p.n_rows > a.n_ctx_seq:
+                raise ProtocolError(f"positions {p.pos0}..{p.pos0 + p.n_rows - 1} of sequence {p.seq_id} exceed the "
+                                    f"context of {a.n_ctx_seq} tokens a sequence")
         window = self.device.window(msg.round)
         if window is None:
             return msg, rows
@@ -80,8 +83,8 @@ class Deployment:
         if not window.takes_tokens and msg.width != window.n_embd:
             raise ProtocolError(f"hidden states of width {msg.width}, the model's n_embd is {window.n_embd}")
         try:
-            out = self.device.compute(msg.round, rows[:, 0] if window.takes_tokens else rows, msg.pos0,
-                                      seq_id=msg.seq_id)
+            out = self.device.compute(msg.round, rows[:, 0] if window.takes_tokens else rows, msg.positions(),
+                                      seq_id=msg.seq_ids())
         except ValueError as e:
             raise ProtocolError(str(e)) from None
         return window_output(msg, out, last_layer=window.layers.end == self.n_layer)

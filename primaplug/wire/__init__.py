@@ -29,6 +29,7 @@ from primaplug.wire.messages import (
 from primaplug.wire.ring import (
     Activation,
     KvOp,
+    Part,
     RingError,
     RingFrameError,
     RingMessage,
@@ -39,7 +40,7 @@ from primaplug.wire.ring import (
 
 __all__ = [
     "PROTOCOL_VERSION", "Activation", "Assignment", "ControlReply", "ControlRequest", "DeviceFacts", "ErrorReply",
-    "GetProfile", "GetStatus", "Hello", "KvOp", "LoadAssignment", "ModelIdentity", "ProfileReply", "RingError",
+    "GetProfile", "GetStatus", "Hello", "KvOp", "LoadAssignment", "ModelIdentity", "Part", "ProfileReply", "RingError",
     "RingFrameError", "RingMessage", "Shutdown", "Status", "Unload", "Welcome", "WindowSpec", "decode_reply",
     "decode_request", "decode_ring", "encode", "encode_ring", "window_output",
 ]

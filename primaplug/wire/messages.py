@@ -14,7 +14,7 @@ import msgspec
 from primaplug.core.errors import ProtocolError
 from primaplug.core.profiles import DeviceProfile
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: activations carry parts of several sequences
 
 
 class _Msg(msgspec.Struct, frozen=True, tag_field="kind", forbid_unknown_fields=False):
@@ -64,11 +64,16 @@ class Assignment(msgspec.Struct, frozen=True):
     model: ModelIdentity
     windows: tuple[WindowSpec, ...]
     successor: str  # the ring endpoint this node sends its output to
-    n_ctx: int
+    n_ctx: int  # KV cells of every window: n_seq_max sequences of n_ctx // n_seq_max positions each
     n_batch: int
     n_ubatch: int
     n_threads: int = 0  # 0: every core of the node
-    n_seq_max: int = 1
+    n_seq_max: int = 1  # sequences (requests in flight) each window's cache holds
+
+    @property
+    def n_ctx_seq(self) -> int:
+        """Positions one sequence may hold."""
+        return self.n_ctx // max(1, self.n_seq_max)
 
 
 # --- requests -------------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """Ring messages: what travels from each device to the next.
 
 An Activation is two frames: a msgpack header and the raw little-endian rows (int32 token ids before the
-first layer, float32 hidden states after it), sent without copying. KV operations and errors travel the same
+first layer, float32 hidden states after it), sent without copying. Its rows are one or more parts, each a run of
+consecutive positions of one sequence: the head batches the steps of several requests (continuous batching), and
+every window computes them in one call. KV operations and errors travel the same
 way, header only, so they stay in order with the activations: every node applies a KvOp to all its windows and
 passes it on; a node that cannot serve a message passes a RingError on instead, and the head raises it.
 """
@@ -25,16 +27,35 @@ class _RingMsg(msgspec.Struct, frozen=True, tag_field="kind"):
     step: int  # numbered by the head, one per batch it sends round the ring
 
 
-class Activation(_RingMsg, tag="act"):
-    """n_rows consecutive positions [pos0, pos0 + n_rows) of one sequence, entering round `round`."""
+class Part(msgspec.Struct, frozen=True, array_like=True):
+    """n_rows consecutive positions [pos0, pos0 + n_rows) of sequence seq_id; all_rows: whether the head needs
+    every row of it after the last layer, or only the last one."""
 
-    round: int
     seq_id: int
     pos0: int
     n_rows: int
+    all_rows: bool = False
+
+
+class Activation(_RingMsg, tag="act"):
+    """Rows entering round `round`: the parts' rows one after the other (at most one part per sequence)."""
+
+    round: int
+    parts: tuple[Part, ...]
     width: int  # 1 for token ids, n_embd for hidden states
     dtype: Literal["int32", "float32"]
-    all_rows: bool  # whether the head needs every row after the last layer, or only the last one
+
+    @property
+    def n_rows(self) -> int:
+        return sum(p.n_rows for p in self.parts)
+
+    def positions(self) -> np.ndarray:
+        """Each row's position."""
+        return np.concatenate([np.arange(p.pos0, p.pos0 + p.n_rows, dtype=np.int32) for p in self.parts])
+
+    def seq_ids(self) -> np.ndarray:
+        """Each row's sequence."""
+        return np.concatenate([np.full(p.n_rows, p.seq_id, dtype=np.int32) for p in self.parts])
 
 
 class KvOp(_RingMsg, tag="kv"):
@@ -59,12 +80,23 @@ RingMessage = Activation | KvOp | RingError
 
 def window_output(msg: Activation, out: np.ndarray, *, last_layer: bool) -> tuple[Activation, np.ndarray]:
     """What a window that received `msg` sends on: its hidden rows (float32, n x n_embd). After the model's last
-    layer only the last row goes on, unless the head asked for every row's logits."""
-    pos0, n_rows = msg.pos0, len(out)
-    if last_layer and not msg.all_rows:
-        out, pos0, n_rows = out[-1:], pos0 + n_rows - 1, 1
-    nxt = Activation(proto=msg.proto, epoch=msg.epoch, step=msg.step, round=msg.round, seq_id=msg.seq_id,
-                     pos0=pos0, n_rows=n_rows, width=out.shape[1], dtype="float32", all_rows=msg.all_rows)
+    layer only each part's last row goes on, unless the head asked for every row of that part."""
+    parts = msg.parts
+    if last_layer and not all(p.all_rows for p in parts):
+        keep: list[int] = []
+        kept: list[Part] = []
+        start = 0
+        for p in parts:
+            if p.all_rows:
+                keep.extend(range(start, start + p.n_rows))
+                kept.append(p)
+            else:
+                keep.append(start + p.n_rows - 1)
+                kept.append(Part(p.seq_id, p.pos0 + p.n_rows - 1, 1, False))
+            start += p.n_rows
+        out, parts = out[keep], tuple(kept)
+    nxt = Activation(proto=msg.proto, epoch=msg.epoch, step=msg.step, round=msg.round, parts=parts,
+                     width=out.shape[1], dtype="float32")
     return nxt, out
 
 _enc = msgspec.msgpack.Encoder()
@@ -108,10 +140,14 @@ def decode_ring(frames: list[bytes | memoryview]) -> tuple[RingMessage, np.ndarr
         return msg, None
     if len(frames) != 2:
         raise RingFrameError(msg.step, f"an activation has two frames (header, rows), got {len(frames)}")
-    if msg.n_rows < 1 or msg.width < 1 or msg.pos0 < 0 or msg.round < 0 or msg.seq_id < 0:
+    bad = [p for p in msg.parts if p.n_rows < 1 or p.pos0 < 0 or p.seq_id < 0]
+    if not msg.parts or bad or msg.width < 1 or msg.round < 0:
         raise RingFrameError(msg.step, f"activation step {msg.step}: bad shape or position "
-                            f"(rows {msg.n_rows}, width {msg.width}, pos0 {msg.pos0}, round {msg.round}, "
-                            f"seq {msg.seq_id})")
+                            f"({len(msg.parts)} part(s){f', such as {bad[0]}' if bad else ''}, width {msg.width}, "
+                            f"round {msg.round})")
+    if len({p.seq_id for p in msg.parts}) != len(msg.parts):
+        raise RingFrameError(msg.step, f"activation step {msg.step}: a sequence in two parts "
+                             f"({[p.seq_id for p in msg.parts]})")
     if (msg.dtype == "int32") != (msg.width == 1):
         raise RingFrameError(msg.step, f"activation step {msg.step}: {msg.dtype} rows of width {msg.width} "
                             "(token ids are int32 of width 1, hidden states float32 of width n_embd)")
