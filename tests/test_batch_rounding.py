@@ -8,7 +8,6 @@ llama_window_set_logits."""
 from __future__ import annotations
 
 import ctypes
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -221,25 +220,3 @@ def test_set_logits_rows_are_read_as_decoded_ones(gemma_path: Path) -> None:
             for ctx in (plain, output_only, hidden):
                 if ctx:
                     ll.llama_free(ctx)
-
-
-def test_time_of_short_and_long_batches(gemma_path: Path) -> None:
-    """What one llama_decode of n rows of one sequence costs (a short prompt; below 16 rows they now go row by row
-    through the one-row kernels, from 16 rows through the batched ones as before). Printed, not asserted."""
-    sizes = [1, 4, 8, 15, 16, 64, 512]
-    with _model(gemma_path) as model, _context(model, _params(1, n_ctx=1024, n_batch=512)) as ctx:
-        ll = _ll()
-        mem = ll.llama_get_memory(ctx)
-        tokens = (_tokenize(model, " ".join(PROMPTS)) * 64)[:512]
-        lines = []
-        for n in sizes:
-            times = []
-            for _ in range(5 if n < 512 else 3):
-                ll.llama_memory_clear(mem, True)
-                start = time.perf_counter()
-                _decode(ctx, [(t, p, 0, p == n - 1) for p, t in enumerate(tokens[:n])])
-                ll.llama_synchronize(ctx)
-                times.append(time.perf_counter() - start)
-            best = min(times)
-            lines.append(f"{n:4d} rows: {best * 1e3:8.1f} ms  ({best * 1e3 / n:6.2f} ms a row)")
-        print("\none llama_decode of n rows (Gemma 3 270M Q4_K_M, 2 threads, best of a few):\n" + "\n".join(lines))

@@ -18,11 +18,9 @@ PROBE_AFTER_S = 0.5
 LOAD_TIMEOUT_S = 600.0  # a node loading (or profiling) its windows from a slow disk
 DEFAULT_PORT = 7000  # a node's control port; its ring listens on the next one
 
-# At most two drafted tokens a trip by default (llama.cpp's --draft-max is 16), so that greedy output stays the
-# tokens plain llama.cpp gives without a draft: on a CPU, llama.cpp multiplies repacked weights by 1-3 rows with the
-# kernel it uses for one (gemv) but by 4 or more with another (gemm, ggml-cpu/repack.cpp), which rounds differently,
-# and a trip verifies 1 + n rows. A larger draft_max is faster where acceptance is high and may change a token
-# where two nearly tie (benchmarks/speculative.py counts how often).
+# At most two drafted tokens a trip by default (llama.cpp's --draft-max is 16). Up to 14 keep greedy output the
+# tokens plain llama.cpp gives without a draft (a trip of at most 15 rows goes through the one-row kernels, patch
+# 0010); 2 is the default because longer drafts were slower on the emulated cluster (docs/speculative.md).
 DRAFT_MAX, DRAFT_MIN = 2, 0  # --draft-max, --draft-min
 
 # The most rows one trip round the ring carries when it mixes several requests' steps (continuous batching).
