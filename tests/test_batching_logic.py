@@ -241,3 +241,17 @@ def test_kv_operations_travel_alone_and_closing_fails_what_waits() -> None:
     with pytest.raises(Exception, match="closed"):
         b.forward([1], 0)
     assert Part(0, 0, 1) == Part(0, 0, 1, False)
+
+
+def test_one_trip_per_device_unless_a_device_streams() -> None:
+    ring = FakeRing()
+    ring.nodes = ["n1", "n2", "n3"]
+    for streams, trips in ((False, 3), (True, 1)):
+        b = _batcher(ring, streams=streams)
+        try:
+            assert b.trips == trips
+        finally:
+            b.close()
+    b = _batcher(ring, trips=2, streams=True)  # asked for: as asked
+    assert b.trips == 2
+    b.close()

@@ -45,7 +45,8 @@ class RunSettings:
     # n_ctx positions of cache, counted in every device's memory plan
     n_parallel: int = 1
     # trips in the ring at once when several requests are in flight; 0: one per device of the ring, so that every
-    # device can work on another request's step at the same moment (pipeline parallelism)
+    # device can work on another request's step at the same moment (pipeline parallelism), or one when a device
+    # streams its windows (one streamed window then serves every request waiting at it)
     ring_trips: int = 0
     n_batch: int = 512  # tokens per batch sent round the ring
     n_ubatch: int = 512  # tokens per compute step inside llama.cpp

@@ -89,13 +89,16 @@ class Batcher:
     that only returns hidden rows, such as a profiling ring)."""
 
     def __init__(self, ring: RingHead, output: Window | None, *, n_batch: int, trips: int = 0,
-                 max_rows: int = EXACT_BATCH_ROWS) -> None:
+                 max_rows: int = EXACT_BATCH_ROWS, streams: bool = False) -> None:
         self.ring = ring
         self.output = output
         self.n_batch = n_batch
         self.max_rows = max(1, min(max_rows, n_batch))
         devices = len(ring.nodes) + (ring.local is not None and any(w is not None for w in ring.local.windows))
-        self.trips = trips or max(1, devices)
+        # trips 0: one per device, so that each can work on another request's step, unless a device streams its
+        # windows: requests a round apart then make it page two windows in every round, where one trip carrying
+        # both streams each window once (measured: 5x slower with two trips, benchmarks/results/LOG.md)
+        self.trips = trips or (1 if streams else max(1, devices))
         self._queue: queue.SimpleQueue[_Step | int | None] = queue.SimpleQueue()
         self._waiting: list[_Step] = []
         self._out: dict[int, _Trip] = {}

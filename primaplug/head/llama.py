@@ -89,7 +89,8 @@ class Llama(RingLlama):
             a free sequence for its whole duration (a stream: until it ends or is closed), preferring the one
             that holds the longest prefix of its prompt, and waits while all are busy. Their steps go round the
             ring together (head/batching.py); each gets the tokens it gets alone.
-        ring_trips: trips in the ring at once when several requests are in flight (0: one per device).
+        ring_trips: trips in the ring at once when several requests are in flight (0: one per device, or one when
+            a device streams its windows, so that a window streamed once serves every request waiting at it).
         **kwargs: llama_cpp.Llama's own arguments (n_ctx, n_batch, n_ubatch, n_threads, seed, chat_format, ...);
             n_ctx, n_batch and n_ubatch default to primaplug's RunSettings (4096, 512, 512).
     """
@@ -203,7 +204,8 @@ class Llama(RingLlama):
             model = self._device.model
             output = model.window(layout.n_layer, layout.n_layer, settings=dataclasses.replace(
                 context, n_ctx=n_ctx, n_seq_max=1, poll=0))
-            self._batcher = Batcher(cluster.ring(self._device), output, n_batch=n_batch, trips=ring_trips)
+            self._batcher = Batcher(cluster.ring(self._device), output, n_batch=n_batch, trips=ring_trips,
+                                    streams=ring_trips == 0 and n_parallel > 1 and self._streams())
             self.session = Session(self._batcher, n_batch=n_batch, events=self.events)
             super().__init__(model, self.session, speculation=self.speculation, **kwargs)
             # the other sequences: a llama-cpp-python front each (its sampler, its prefix), on the same ring
@@ -213,6 +215,13 @@ class Llama(RingLlama):
         except BaseException:
             self._close_ring()
             raise
+
+    def _streams(self) -> bool:
+        """Whether any device of the ring (the head included) streams its windows from disk."""
+        assert self._device is not None and self._cluster is not None
+        # a node's memory_mode: "" for a relay, "resident (no windowing)", else how it pages streamed windows in
+        return self._device.plan.prefetch.mode == "stream" or any(
+            n.status(detail=True).memory_mode not in ("", "resident (no windowing)") for n in self._cluster.nodes)
 
     @property
     def n_parallel(self) -> int:
