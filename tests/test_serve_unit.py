@@ -196,6 +196,9 @@ def test_ssl_and_key_checks(tmp_path: Path) -> None:
         check(serve_args("--ssl_certfile", str(tmp_path / "nope.pem")))
     with pytest.raises(ConfigError, match="--api_key is empty"):
         check(serve_args("--api_key", ""))
+    with pytest.raises(ConfigError, match="add --parallel 1"):  # before any node starts
+        check(serve_args("--model-draft", str(cert)))
+    check(serve_args("--model-draft", str(cert), "--parallel", "1"))
     assert url(serve_args("--ssl_certfile", str(cert))) == "https://127.0.0.1:8000/v1"
     assert url(serve_args("--host", "::1", "--port", "9")) == "http://[::1]:9/v1"
 

@@ -234,6 +234,9 @@ def check(args: argparse.Namespace) -> None:
         file = getattr(args, flag)
         if file and not Path(file).is_file():
             raise ConfigError(f"--{flag} {file}: no such file")
+    if getattr(args, "model_draft", None) and args.parallel > 1:
+        raise ConfigError(f"a draft model (--model-draft) serves one request at a time for now, and --parallel is "
+                          f"{args.parallel}: add --parallel 1, or leave the draft out to serve several at once")
 
 
 def url(args: argparse.Namespace) -> str:
