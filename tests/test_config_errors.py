@@ -80,3 +80,24 @@ def test_nodes_off_this_machine_need_keys_and_a_reachable_head(tmp_path: Path) -
                 Cluster(t, remote, ident)
         finally:
             t.close()
+
+
+def test_the_head_refuses_an_open_listen_without_keys(tmp_path: Path) -> None:
+    """As nodes do: a head told to receive the ring off loopback without the cluster key refuses before it binds."""
+    from primaplug.head import Cluster, ClusterSettings
+    from primaplug.transport import ZmqTransport, generate_keys
+    from primaplug.wire import ModelIdentity
+
+    ident = ModelIdentity(identity="1:x", file_name="m.gguf", n_layer=18, n_embd=640)
+    settings = ClusterSettings(nodes=("127.0.0.1:7000",), listen="0.0.0.0")
+    t = ZmqTransport()
+    try:
+        with pytest.raises(ConfigError, match="refusing to listen on 0.0.0.0 without encryption"):
+            Cluster(t, settings, ident)
+    finally:
+        t.close()
+    t = ZmqTransport(generate_keys(tmp_path / "c.key"))
+    try:
+        Cluster(t, settings, ident).close()  # with the key it binds
+    finally:
+        t.close()

@@ -63,6 +63,12 @@ def _act(seq_id: int = 0, n_rows: int = 3, **kw):
     return Activation(**{**base, **kw})
 
 
+def _kv(**kw):
+    from primaplug.wire import PROTOCOL_VERSION, KvOp
+
+    return KvOp(**{**dict(proto=PROTOCOL_VERSION, epoch=42, step=1, op="remove", seq_id=0, p0=0), **kw})
+
+
 def _reply(inbox):
     from primaplug.wire import decode_ring
 
@@ -88,11 +94,16 @@ def test_malformed_ring_messages_get_error_replies(one_node_ring) -> None:
         "hidden state of wrong width": encode_ring(_act(width=7, dtype="float32"), np.zeros((3, 7), np.float32)),
         "garbage": [b"\x00\xffnot msgpack", b"x"],
         "token out of vocabulary": encode_ring(_act(), np.array([2, 3, layout.n_vocab + 5], np.int32)),
+        # llama.cpp asserts on these (it aborted the node): refused before they reach it
+        "kv remove of sequence -2": encode_ring(_kv(seq_id=-2)),
+        "kv remove of sequence 300": encode_ring(_kv(seq_id=300)),
+        "kv remove of a negative span": encode_ring(_kv(p0=5, p1=2)),
     }
     expect = {"wrong version": "protocol 99", "truncated buffer": "bytes", "wrong row count": "bytes",
               "unknown sequence": "unknown sequence 5", "stale assignment": "assignment 41",
               "hidden state of wrong width": "takes token ids", "garbage": "malformed",
-              "token out of vocabulary": "token ids must lie"}
+              "token out of vocabulary": "token ids must lie", "kv remove of sequence -2": "sequence -2",
+              "kv remove of sequence 300": "sequences 0..0", "kv remove of a negative span": "positions [5, 2)"}
     for name, frames in bad.items():
         assert out.send(frames, 5.0)
         msg, _ = _reply(inbox)
@@ -120,6 +131,12 @@ def test_bad_control_requests_get_error_replies(one_node_ring, gemma_path: Path)
     assert e.value.code == "wrong_model"
     with pytest.raises(NodeError, match=r"outside the model's layers"):
         client.load(msgspec.structs.replace(a, windows=(WindowSpec(10, 40),)))
+    with pytest.raises(NodeError, match=r"100000 compute threads on a device of \d+ cores"):
+        client.load(msgspec.structs.replace(a, n_threads=100000))
+    with pytest.raises(NodeError, match=r"n_ubatch <= n_batch <= n_ctx"):
+        client.load(msgspec.structs.replace(a, n_batch=4096))
+    with pytest.raises(NodeError, match=r"at most 256"):
+        client.load(msgspec.structs.replace(a, n_seq_max=1000))
     assert client.status().state == "ready"  # the refused loads changed nothing
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ipaddress
 import json
 import socket
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 from primaplug.cli.common import llama_kwargs, model_path, ring_flags, ring_llama, say
 from primaplug.core import ConfigError
 from primaplug.server.settings import ServeSettings
+from primaplug.transport.addresses import is_loopback
 
 SERVE = ServeSettings()
 # llama-cpp-python's ModelSettings keys (an entry of the config file's `models`) that serve takes, and the flag
@@ -209,15 +209,6 @@ def _describe_unknown(keys: list[str]) -> str:
     return ("; ".join(parts) + ". Remove them. serve takes host, port, api_key, ssl_keyfile, ssl_certfile, "
             f"interrupt_requests, models[0]'s {', '.join(MODEL_KEYS)}, and its flags' long names (nodes, layers, "
             "parallel, ...): docs/serving.md")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # a host name other than localhost: it may resolve off this machine
-        return False
 
 
 def check(args: argparse.Namespace) -> None:

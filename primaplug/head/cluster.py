@@ -90,6 +90,10 @@ class Cluster:
     def __init__(self, transport: Transport, settings: ClusterSettings, model: ModelIdentity,
                  events: Events | None = None) -> None:
         hosts = [split_address(a)[0] for a in settings.nodes]
+        if settings.nodes and transport.keys is None and not is_loopback(settings.listen):
+            raise ConfigError(f"refusing to listen on {settings.listen} without encryption, as nodes do: make a "
+                              "cluster key with `primaplug keygen cluster.key`, copy it to every device, and start "
+                              "each node and the head with --keys cluster.key (or listen on 127.0.0.1)")
         if not all(is_loopback(h) for h in hosts):
             if transport.keys is None:
                 raise ConfigError("nodes off this machine need the cluster key: pass --keys (see `primaplug keygen`)")

@@ -21,7 +21,7 @@ import psutil
 
 from primaplug import __version__
 from primaplug.core.errors import ConfigError, PrimaplugError, ProtocolError
-from primaplug.core.settings import DEFAULT_PORT, TIMEOUT_S
+from primaplug.core.settings import DEFAULT_PORT, MAX_PARALLEL, TIMEOUT_S
 from primaplug.device import MemorySettings
 from primaplug.engine import ModelLayout, read_layout
 from primaplug.memory.system import memory_view
@@ -54,6 +54,9 @@ from primaplug.wire import (
 )
 
 log = logging.getLogger(__name__)
+# compute threads a load may ask for, per core of the device: more only thrashes (100000 once made a node stop
+# answering while the machine's load climbed into the thousands)
+THREADS_PER_CORE = 4
 
 
 @dataclass(frozen=True)
@@ -324,6 +327,14 @@ def _check_assignment(a: Assignment, n_layer: int) -> str:
         prev = w.end if w.end > w.start else prev
     if min(a.n_ctx, a.n_batch, a.n_ubatch, a.n_seq_max) < 1 or a.n_threads < 0:
         return "n_ctx, n_batch, n_ubatch and n_seq_max must be positive, n_threads not negative"
+    cores = os.cpu_count() or 1
+    if a.n_threads > THREADS_PER_CORE * cores:
+        return (f"{a.n_threads} compute threads on a device of {cores} cores: at most {THREADS_PER_CORE * cores} "
+                "(0: one per core)")
+    if a.n_seq_max > MAX_PARALLEL:
+        return f"{a.n_seq_max} sequences: llama.cpp holds at most {MAX_PARALLEL}"
+    if a.n_ubatch > a.n_batch or a.n_batch > a.n_ctx:
+        return f"batch sizes must satisfy n_ubatch <= n_batch <= n_ctx (got {a.n_ubatch}, {a.n_batch}, {a.n_ctx})"
     if not a.successor.startswith("tcp://"):
         return f"successor '{a.successor}' is not a tcp:// endpoint"
     return ""

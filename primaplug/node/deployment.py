@@ -97,6 +97,11 @@ class Deployment:
         if op.op == "clear":
             self.device.kv_clear()
             return
+        # llama.cpp asserts on a sequence id outside its sequences: check every field before it gets there
+        n_seq = self.assignment.n_seq_max
+        if not 0 <= op.seq_id < n_seq or op.p0 < 0 or op.p1 < -1 or (op.p1 != -1 and op.p1 < op.p0):
+            raise ProtocolError(f"cannot remove positions [{op.p0}, {op.p1}) of sequence {op.seq_id}: this "
+                                f"assignment has sequences 0..{n_seq - 1}, and positions start at 0")
         try:
             self.device.kv_remove(op.seq_id, op.p0, op.p1)
         except PrimaplugError as e:

@@ -34,6 +34,8 @@ def parse_endpoint(address: str) -> tuple[str, int]:
 
 
 def is_loopback(host: str) -> bool:
+    """Whether the host is this machine's loopback (an IPv6 address may come in brackets; a name is resolved)."""
+    host = host.strip("[]")
     if host == "localhost":
         return True
     try:
