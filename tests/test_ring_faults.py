@@ -116,6 +116,31 @@ def test_malformed_ring_messages_get_error_replies(one_node_ring) -> None:
     assert client.status().state == "ready"
 
 
+def test_an_oversized_ring_frame_is_refused_without_holding_it(one_node_ring) -> None:
+    """A frame larger than any batch (MAX_RING_MESSAGE_BYTES) disconnects its sender at the socket, before the node
+    holds it; the node stays up and the next good message is served."""
+    from primaplug.core.settings import MAX_RING_MESSAGE_BYTES
+    from primaplug.wire import Activation, encode_ring
+
+    client, out, inbox, _, layout = one_node_ring
+    header, _ = encode_ring(_act(step=7), np.zeros(3, np.int32))
+    assert out.send([header, bytes(MAX_RING_MESSAGE_BYTES + 1)], 5.0)
+    assert inbox.recv(1.0) is None  # no answer: the frame never reached the node
+    tokens = np.array([2, 100, 200], dtype=np.int32)
+    deadline = time.monotonic() + 10
+    while True:  # the sender reconnects, then the node serves as before
+        assert out.send(encode_ring(_act(step=8), tokens), 5.0)
+        frames = inbox.recv(1.0)
+        if frames is not None or time.monotonic() > deadline:
+            break
+    assert frames is not None, "the node did not serve after refusing the oversized frame"
+    from primaplug.wire import decode_ring
+
+    msg, rows = decode_ring(frames)
+    assert isinstance(msg, Activation) and msg.step == 8 and rows.shape == (3, layout.n_embd)
+    assert client.status().state == "ready"
+
+
 def test_bad_control_requests_get_error_replies(one_node_ring, gemma_path: Path) -> None:
     import msgspec
 

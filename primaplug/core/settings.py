@@ -15,6 +15,10 @@ from pathlib import Path
 # probed on its control channel after PROBE_AFTER_S of ring silence, so a slow but alive node is not cut off.
 TIMEOUT_S = 5.0
 PROBE_AFTER_S = 0.5
+# The largest message a socket takes; a peer that sends more is disconnected before it is held in memory. A ring
+# frame is at most n_batch x n_embd floats (2048 rows of a 70B model's 8192: 64 MiB); control messages are small.
+MAX_RING_MESSAGE_BYTES = 128 * 2**20
+MAX_CONTROL_MESSAGE_BYTES = 16 * 2**20
 LOAD_TIMEOUT_S = 600.0  # a node loading (or profiling) its windows from a slow disk
 DEFAULT_PORT = 7000  # a node's control port; its ring listens on the next one
 

@@ -20,6 +20,7 @@ import zmq.auth.thread
 import zmq.utils.monitor
 
 from primaplug.core.errors import ConfigError
+from primaplug.core.settings import MAX_CONTROL_MESSAGE_BYTES, MAX_RING_MESSAGE_BYTES
 from primaplug.transport.addresses import endpoint, is_loopback, split_address
 from primaplug.transport.base import Frames
 from primaplug.transport.keys import ClusterKeys
@@ -130,17 +131,20 @@ class ZmqTransport:
 
     def control_server(self, host: str, port: int) -> ZmqControlServer:
         sock = self._socket(zmq.ROUTER)
+        sock.maxmsgsize = MAX_CONTROL_MESSAGE_BYTES
         port = self._bind(sock, host, port)
         return ZmqControlServer(sock, endpoint(host, port))
 
     def control_client(self, address: str) -> ZmqControlClient:
         sock = self._socket(zmq.DEALER)
+        sock.maxmsgsize = MAX_CONTROL_MESSAGE_BYTES
         self._client(sock)
         sock.connect(address)
         return ZmqControlClient(sock, address)
 
     def ring_in(self, host: str, port: int) -> ZmqRingIn:
         sock = self._socket(zmq.PULL)
+        sock.maxmsgsize = MAX_RING_MESSAGE_BYTES  # a larger frame disconnects its sender instead of filling memory
         port = self._bind(sock, host, port)
         return ZmqRingIn(sock, endpoint(host, port))
 
