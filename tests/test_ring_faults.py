@@ -87,6 +87,8 @@ def test_malformed_ring_messages_get_error_replies(one_node_ring) -> None:
     header, payload = encode_ring(_act(), tokens)
     bad = {
         "wrong version": [msgspec.msgpack.encode({**msgspec.msgpack.decode(header), "proto": 99}), payload],
+        "header that does not validate": [msgspec.msgpack.encode({**msgspec.msgpack.decode(header), "round": "x"}),
+                                          payload],
         "truncated buffer": [header, bytes(payload)[:-2]],
         "wrong row count": encode_ring(_act(n_rows=2), tokens[:2])[:1] + [payload],
         "unknown sequence": encode_ring(_act(seq_id=5), tokens),
@@ -99,7 +101,8 @@ def test_malformed_ring_messages_get_error_replies(one_node_ring) -> None:
         "kv remove of sequence 300": encode_ring(_kv(seq_id=300)),
         "kv remove of a negative span": encode_ring(_kv(p0=5, p1=2)),
     }
-    expect = {"wrong version": "protocol 99", "truncated buffer": "bytes", "wrong row count": "bytes",
+    expect = {"wrong version": "protocol 99", "header that does not validate": "malformed ring header of step 1",
+              "truncated buffer": "bytes", "wrong row count": "bytes",
               "unknown sequence": "unknown sequence 5", "stale assignment": "assignment 41",
               "hidden state of wrong width": "takes token ids", "garbage": "malformed",
               "token out of vocabulary": "token ids must lie", "kv remove of sequence -2": "sequence -2",

@@ -122,3 +122,18 @@ def _fields(s) -> dict:
     import msgspec
 
     return msgspec.structs.asdict(s)
+
+
+def test_a_header_that_does_not_validate_still_names_its_step() -> None:
+    """So that a node's refusal answers that step (the head waits for it), not step -1, which it ignores."""
+    import msgspec
+
+    from primaplug.wire import RingFrameError
+
+    header = msgspec.msgpack.decode(encode_ring(ACT, np.zeros((2, 4), np.float32))[0])
+    with pytest.raises(RingFrameError, match="malformed ring header of step 3") as e:
+        decode_ring([msgspec.msgpack.encode({**header, "width": "wide"}), b""])
+    assert e.value.step == 3
+    with pytest.raises(ProtocolError, match="malformed ring header") as e2:  # no step to name
+        decode_ring([msgspec.msgpack.encode({**header, "step": "three"}), b""])
+    assert not isinstance(e2.value, RingFrameError)

@@ -129,7 +129,14 @@ def decode_ring(frames: list[bytes | memoryview]) -> tuple[RingMessage, np.ndarr
         raise ProtocolError("empty ring message")
     try:
         msg = _dec.decode(frames[0])
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except msgspec.ValidationError as e:
+        # a header that decodes but does not validate still says which step it was: the refusal then reaches the
+        # head as the answer to that step, not as a message it ignores until its timeout
+        step = _step_of(frames[0])
+        if step is not None:
+            raise RingFrameError(step, f"malformed ring header of step {step}: {e}") from None
+        raise ProtocolError(f"malformed ring header: {e}") from None
+    except msgspec.DecodeError as e:
         raise ProtocolError(f"malformed ring header: {e}") from None
     if msg.proto != PROTOCOL_VERSION:
         raise ProtocolError(f"ring message speaks protocol {msg.proto}, this side speaks {PROTOCOL_VERSION}: "
@@ -159,3 +166,13 @@ def decode_ring(frames: list[bytes | memoryview]) -> tuple[RingMessage, np.ndarr
                              f"says {msg.n_rows} rows x {msg.width} x {dtype.itemsize} = {expect}")
     rows = np.frombuffer(payload, dtype=dtype).reshape(msg.n_rows, msg.width)
     return msg, rows
+
+
+def _step_of(header: bytes | memoryview) -> int | None:
+    """The step a header names, read leniently from one that failed validation (None: it names none)."""
+    try:
+        raw = msgspec.msgpack.decode(header)
+    except msgspec.DecodeError:
+        return None
+    step = raw.get("step") if isinstance(raw, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
