@@ -32,6 +32,32 @@ __all__ = ["ZmqControlClient", "ZmqControlServer", "ZmqRingIn", "ZmqRingOut", "Z
            "is_loopback", "split_address"]
 
 
+REJECTIONS_LOG_S = 60.0  # a peer turned away again within this time is counted, not logged again
+
+
+class _Rejections:
+    """Logs a refusal once per kind and interval, then how many more there were: a peer that keeps retrying (ZeroMQ
+    reconnects every 100 ms) must not fill the log."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: dict[str, tuple[float, int]] = {}  # what -> (when it was last logged, refusals since)
+
+    def note(self, what: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last, more = self._seen.get(what, (-REJECTIONS_LOG_S, 0))
+            if now - last < REJECTIONS_LOG_S:
+                self._seen[what] = (last, more + 1)
+                return
+            self._seen[what] = (now, 0)
+        again = f" ({more} more time(s) in the last {REJECTIONS_LOG_S:.0f} s)" if more else ""
+        log.warning("%s%s (give it the cluster key file made by `primaplug keygen`)", what, again)
+
+
+_REJECTIONS = _Rejections()
+
+
 class _KeyCheck:
     """ZAP callback: lets in only clients that hold the cluster key, and logs the others."""
 
@@ -41,8 +67,8 @@ class _KeyCheck:
     def callback(self, domain: str, key: bytes) -> bool:
         ok = zmq.utils.z85.encode(key) == self.public if len(key) == 32 else key == self.public
         if not ok:
-            log.warning("rejected a peer: its CurveZMQ key is not this cluster's key (give it the cluster key "
-                        "file made by `primaplug keygen`)")
+            peer = zmq.utils.z85.encode(key).decode()[:8] if len(key) == 32 else str(key)[:8]
+            _REJECTIONS.note(f"rejected a peer holding key {peer}...: not this cluster's key")
         return ok
 
 
@@ -69,9 +95,8 @@ class _HandshakeLog(threading.Thread):
             if self.monitor.poll(200):
                 event = zmq.utils.monitor.recv_monitor_message(self.monitor)
                 why = _HANDSHAKE_FAILED.get(event["event"])
-                if why:
-                    log.warning("rejected a peer on %s: %s (give it the cluster key file made by "
-                                "`primaplug keygen`)", self.address, why)
+                if why:  # libzmq names only this socket's endpoint, not the peer's
+                    _REJECTIONS.note(f"rejected a peer connecting to {self.address}: {why}")
         self.monitor.close()
 
     def stop(self) -> None:
