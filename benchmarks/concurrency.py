@@ -473,13 +473,18 @@ def gemma_part(a: argparse.Namespace) -> dict[str, Any]:
             probe = Probe(llm)
             warm_up(llm, prompts, 8)
             alone = alone_runs(llm, prompts, a.tokens, probe, cpu, "gemma")
+
+            def run(llm: Any, together: list[Any], probe: Probe, label: str) -> dict[str, Any]:
+                """One level: every client at once, checked against its prompt alone, and its line printed."""
+                r = level(llm, together, a.tokens, probe=probe, cpu=cpu)
+                compare(r, alone)
+                line(label, r)
+                return r
+
             levels: dict[int, list[dict[str, Any]]] = {n: [] for n in clients}
             for rep in range(a.repeats):
                 for n in clients:
-                    r = level(llm, prompts[:n], a.tokens, probe=probe, cpu=cpu)
-                    compare(r, alone)
-                    levels[n].append(r)
-                    line(f"{n} client(s), run {rep + 1}", r)
+                    levels[n].append(run(llm, prompts[:n], probe, f"{n} client(s), run {rep + 1}"))
             # the same ring, one trip carrying fewer rows: more trips in flight at once (pipelining) instead of
             # one trip with every request's row (batching); the Batcher's max_rows, which primaplug.Llama leaves at
             # EXACT_BATCH_ROWS, set on this instance between levels
@@ -491,10 +496,8 @@ def gemma_part(a: argparse.Namespace) -> dict[str, Any]:
                 rows_runs[str(mr)] = []
                 try:
                     for rep in range(a.repeats):
-                        r = level(llm, prompts[:RING_TRIPS_LEVEL], a.tokens, probe=probe, cpu=cpu)
-                        compare(r, alone)
-                        rows_runs[str(mr)].append(r)
-                        line(f"max_rows {mr}, run {rep + 1}", r)
+                        rows_runs[str(mr)].append(run(llm, prompts[:RING_TRIPS_LEVEL], probe,
+                                                      f"max_rows {mr}, run {rep + 1}"))
                 finally:
                     b.max_rows = default_rows
             out["output_layer_ms_by_rows"] = output_layer_times(probe, layout.n_embd)
@@ -511,10 +514,8 @@ def gemma_part(a: argparse.Namespace) -> dict[str, Any]:
                 warm_up(llm, prompts[:RING_TRIPS_LEVEL], 8)
                 trips[str(t)] = []
                 for rep in range(a.repeats):
-                    r = level(llm, prompts[:RING_TRIPS_LEVEL], a.tokens, probe=probe_t, cpu=cpu)
-                    compare(r, alone)
-                    trips[str(t)].append(r)
-                    line(f"ring_trips {t}, run {rep + 1}", r)
+                    trips[str(t)].append(run(llm, prompts[:RING_TRIPS_LEVEL], probe_t,
+                                             f"ring_trips {t}, run {rep + 1}"))
             finally:
                 llm.close()
     base = statistics.median(r["aggregate_tokens_per_s"] for r in levels[1]) if 1 in levels else None

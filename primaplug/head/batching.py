@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 
 from primaplug.core.errors import NodeError, PrimaplugError
@@ -246,9 +247,8 @@ class Batcher:
         st.most_steps = max(st.most_steps, len(steps))
         rows = np.concatenate([s.rows for s in steps]) if len(steps) > 1 else steps[0].rows
         msg = ring.activation(step, parts)
-        if r:
-            msg = Activation(proto=msg.proto, epoch=msg.epoch, step=step, round=r, parts=parts, width=rows.shape[1],
-                             dtype="float32")
+        if r:  # hidden rows, back from the head's window of the round before
+            msg = msgspec.structs.replace(msg, round=r, width=rows.shape[1], dtype="float32")
         n = len(rows)
         what = (f"{'prefill' if n > len(steps) else 'decode'} of {n} row(s) of "
                 f"{'sequence ' + str(steps[0].seq_id) if len(steps) == 1 else f'{len(steps)} sequences'}"
@@ -259,7 +259,7 @@ class Batcher:
                 assert ring.local is not None
                 with ring.local.awake():
                     for rr in range(r, ring.rounds):
-                        msg, rows = ring.local_round(rr, _at_round(msg, rr), rows)
+                        msg, rows = ring.local_round(rr, msgspec.structs.replace(msg, round=rr), rows)
                 self._finish(trip, msg, rows)
             except BaseException as e:
                 for s in steps:
@@ -350,13 +350,6 @@ class Batcher:
                 return
             if isinstance(item, _Step):
                 item.fail(error)
-
-
-def _at_round(msg: Activation, r: int) -> Activation:
-    if msg.round == r:
-        return msg
-    return Activation(proto=msg.proto, epoch=msg.epoch, step=msg.step, round=r, parts=msg.parts, width=msg.width,
-                      dtype=msg.dtype)
 
 
 def _split(msg: Activation, rows: np.ndarray) -> list[np.ndarray]:

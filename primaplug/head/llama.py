@@ -11,6 +11,7 @@ layer, as a node runs its own), the ring, the session that owns the conversation
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -238,28 +239,29 @@ class Llama(RingLlama):
         """Calls waiting for a free sequence."""
         return self._slots.waiting
 
-    def _create_completion(self, prompt: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        """Every completion (create_completion, create_chat_completion, __call__) runs on a free sequence, which
-        it holds until it ends; this Llama's own is one of them."""
+    @contextlib.contextmanager
+    def _sequence(self, prompt: str | Sequence[int]) -> Iterator[RingLlama]:
+        """A free sequence for this prompt, held until the block ends; this Llama's own is one of them."""
         slot = self._slots.acquire(prompt, self.tokenize)
         try:
+            yield slot
+        finally:
+            self._slots.release(slot)
+            self._batcher.idle(slot._session.seq_id)
+
+    def _create_completion(self, prompt: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        """Every completion (create_completion, create_chat_completion, __call__) runs on a free sequence, which
+        it holds until it ends."""
+        with self._sequence(prompt) as slot:
             if slot is self:
                 yield from super()._create_completion(prompt, *args, **kwargs)
             else:
                 yield from slot._create_completion(prompt, *args, **kwargs)
-        finally:
-            self._slots.release(slot)
-            self._batcher.idle(slot._session.seq_id)  # type: ignore[attr-defined]
 
     def embed(self, input: str | list[str], *args: Any, **kwargs: Any) -> Any:  # noqa: A002 (llama-cpp-python's name)
         """llama_cpp.Llama.embed, on a free sequence (create_embedding comes here too)."""
-        first = input if isinstance(input, str) else (input[0] if input else "")
-        slot = self._slots.acquire(first, self.tokenize)
-        try:
+        with self._sequence(input if isinstance(input, str) else (input[0] if input else "")) as slot:
             return super().embed(input, *args, **kwargs) if slot is self else slot.embed(input, *args, **kwargs)
-        finally:
-            self._slots.release(slot)
-            self._batcher.idle(slot._session.seq_id)
 
     def ring_problem(self, timeout_s: float = 1.0) -> str | None:
         """None when every node answers ready with this head's assignment; else what is wrong, in a sentence."""

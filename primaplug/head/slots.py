@@ -22,13 +22,17 @@ class Slots:
     def __init__(self, slots: Sequence[Any]) -> None:
         self.all = list(slots)
         self.free = list(slots)  # the one free the longest first
-        self.running = 0
         self.waiting = 0
         self._cond = threading.Condition()
 
     @property
     def size(self) -> int:
         return len(self.all)
+
+    @property
+    def running(self) -> int:
+        """Sequences held by a request now."""
+        return len(self.all) - len(self.free)
 
     def acquire(self, prompt: str | Sequence[int], tokenize: Callable[..., list[int]]) -> Any:
         """A free sequence for this prompt (waits while none is free). With several, its cache is reused only when
@@ -48,7 +52,6 @@ class Slots:
                 self.waiting -= 1
             slot = max(self.free, key=lambda s: _shared(s, tokens))
             self.free.remove(slot)
-            self.running += 1
         if self.size > 1 and _shared(slot, tokens) < CONTINUES * int(slot.n_tokens):
             slot.reset()
         return slot
@@ -56,7 +59,6 @@ class Slots:
     def release(self, slot: Any) -> None:
         with self._cond:
             self.free.append(slot)
-            self.running -= 1
             self._cond.notify()
 
     def others(self, first: Any) -> list[Any]:
