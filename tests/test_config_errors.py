@@ -3,6 +3,7 @@ that does not fit the model. (Wire errors, wrong models and vanished nodes: test
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +102,16 @@ def test_the_head_refuses_an_open_listen_without_keys(tmp_path: Path) -> None:
         Cluster(t, settings, ident).close()  # with the key it binds
     finally:
         t.close()
+
+
+@pytest.mark.parametrize(("kwargs", "says"), [
+    ({"n_parallel": 0}, "n_parallel (--parallel) is the number of requests in flight: 1 to 256, got 0"),
+    ({"n_parallel": 300}, "1 to 256, got 300"),
+    ({"n_parallel": 2, "draft_model": "prompt-lookup"}, "use n_parallel 1 (--parallel 1) with a draft"),
+    ({"ring_trips": -1}, "ring_trips must be 0 (one per device) or more, got -1"),
+])
+def test_settings_for_requests_in_flight_are_checked_before_anything_loads(kwargs: dict, says: str) -> None:
+    import primaplug
+
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        primaplug.Llama("no-such-model.gguf", **kwargs)

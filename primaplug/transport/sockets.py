@@ -41,16 +41,18 @@ class _Rejections:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._seen: dict[str, tuple[float, int]] = {}  # what -> (when it was last logged, refusals since)
+        self._seen: dict[str, tuple[float, int]] = {}  # key -> (when it was last logged, refusals since)
 
-    def note(self, what: str) -> None:
+    def note(self, what: str, key: str | None = None) -> None:
+        """Logs `what` unless the same `key` (by default `what` itself) was logged within the interval."""
         now = time.monotonic()
+        key = key or what
         with self._lock:
-            last, more = self._seen.get(what, (-REJECTIONS_LOG_S, 0))
+            last, more = self._seen.get(key, (-REJECTIONS_LOG_S, 0))
             if now - last < REJECTIONS_LOG_S:
-                self._seen[what] = (last, more + 1)
+                self._seen[key] = (last, more + 1)
                 return
-            self._seen[what] = (now, 0)
+            self._seen[key] = (now, 0)
         again = f" ({more} more time(s) in the last {REJECTIONS_LOG_S:.0f} s)" if more else ""
         log.warning("%s%s (give it the cluster key file made by `primaplug keygen`)", what, again)
 
@@ -95,8 +97,9 @@ class _HandshakeLog(threading.Thread):
             if self.monitor.poll(200):
                 event = zmq.utils.monitor.recv_monitor_message(self.monitor)
                 why = _HANDSHAKE_FAILED.get(event["event"])
-                if why:  # libzmq names only this socket's endpoint, not the peer's
-                    _REJECTIONS.note(f"rejected a peer connecting to {self.address}: {why}")
+                if why:  # libzmq names only this socket's endpoint, not the peer's; a retrying peer's first
+                    # handshake fails with a reason, the later ones often with none: one key per endpoint
+                    _REJECTIONS.note(f"rejected a peer connecting to {self.address}: {why}", key=self.address)
         self.monitor.close()
 
     def stop(self) -> None:
