@@ -104,7 +104,7 @@ class DeviceWindows:
         plan = plan_memory(layout, used, n_ctx=context.n_ctx, n_batch=context.n_batch, n_ubatch=context.n_ubatch,
                            memory=memory, extra_reserved=extra_reserved, extra_weights=extra_weights)
         names = ", ".join(map(str, used)) or "(relay only)"
-        progress(0.05, f"mapping {os.path.basename(os.fspath(path))} for windows {names}; {plan.describe()}")
+        progress(0.05, f"mapping {os.path.basename(os.path.realpath(path))} for windows {names}; {plan.describe()}")
         if plan.prefetch.mode == "stream":
             log.info("windows %s do not fit in memory: %s", names, plan.describe())
         # writing the repacked copy (once) loads layers with llama.cpp's repacking on: half the budget at a time

@@ -124,7 +124,8 @@ def repacked_copy(layout: ModelLayout, cpu_layers: Iterable[int], gpu_layers: It
     folder = cache_dir or default_dir()
     folder.mkdir(parents=True, exist_ok=True)
     key = _key(layout)
-    path = folder / f"{Path(layout.path).stem}-{key}.gguf"
+    # named after the file itself: a node reads its model through /proc/self/fd/N (node/files.py), the head by name
+    path = folder / f"{Path(os.path.realpath(layout.path)).stem}-{key}.gguf"
     units = units_for(layout, cpu_layers, gpu_layers, output)
     with _locked(path.with_suffix(".lock")):
         manifest = _read_manifest(path, layout)

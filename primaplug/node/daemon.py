@@ -20,14 +20,18 @@ import numpy as np
 import psutil
 
 from primaplug import __version__
-from primaplug.core.errors import ConfigError, PrimaplugError, ProtocolError
-from primaplug.core.settings import DEFAULT_PORT, MAX_PARALLEL, TIMEOUT_S
+from primaplug.core.errors import ConfigError, ModelFormatError, PrimaplugError, ProtocolError
+from primaplug.core.settings import DEFAULT_PORT, HEAD_SILENCE_S, MAX_PARALLEL, TIMEOUT_S
+from primaplug.core.windows import LayerRange
 from primaplug.device import MemorySettings
+from primaplug.device.memory import reserved_bytes
 from primaplug.engine import ModelLayout, read_layout
 from primaplug.memory.system import memory_view
 from primaplug.node.deployment import Deployment
+from primaplug.node.files import HeldFile
 from primaplug.node.profiling import Profiling
 from primaplug.transport import RingIn, Transport, is_loopback
+from primaplug.transport.addresses import parse_endpoint
 from primaplug.wire import (
     PROTOCOL_VERSION,
     Activation,
@@ -57,6 +61,9 @@ log = logging.getLogger(__name__)
 # compute threads a load may ask for, per core of the device: more only thrashes (100000 once made a node stop
 # answering while the machine's load climbed into the thousands)
 THREADS_PER_CORE = 4
+MAX_COUNT = 2**31 - 1  # context and batch sizes: llama.cpp keeps them in 32 bits (ctypes would wrap larger ones)
+MAX_ENDPOINT_CHARS = 300  # a host name of at most 253 characters, a port and the scheme
+MAX_MESSAGE_CHARS = 600  # of a refusal's message (it may quote what the peer sent)
 
 
 @dataclass(frozen=True)
@@ -70,10 +77,15 @@ class NodeSettings:
     memory: MemorySettings = MemorySettings()
     profile_dir: Path | None = None  # where the device profile is cached (default ~/.cache/primaplug/profiles)
     pin_threads: bool | None = None  # compute threads on a core each: None when they use every core (--cpu-strict)
+    # seconds without a control request or ring message after which a node frees its windows (its head has gone;
+    # a running head asks for a status every second); 0: never (--release-after)
+    release_after_s: float = HEAD_SILENCE_S
 
     def check(self) -> None:
         if not self.models:
             raise ConfigError("a node needs at least one --model")
+        if not self.release_after_s >= 0:  # NaN too
+            raise ConfigError(f"--release-after must be 0 (never) or a number of seconds, not {self.release_after_s}")
         for m in self.models:
             if not m.is_file():
                 raise ConfigError(f"model file {m} does not exist")
@@ -91,13 +103,28 @@ class Node:
         self.settings = settings
         self.name = settings.name
         self.transport = transport
-        self._models: dict[str, tuple[Path, ModelLayout, ModelIdentity]] = {}
-        for path in settings.models:
-            layout = read_layout(path)
-            layout.check_supported()
-            self._models[layout.identity] = (path, layout, ModelIdentity.of(layout, path.name))
-        self.control = transport.control_server(settings.host, settings.port)
-        self.ring: RingIn = transport.ring_in(settings.host, settings.port + 1 if settings.port else 0)
+        self._models: dict[str, tuple[HeldFile, ModelLayout, ModelIdentity]] = {}
+        try:
+            for path in settings.models:
+                held = HeldFile(path)  # every later read goes through this open file (node/files.py)
+                try:
+                    layout = read_layout(held.path)
+                    layout.check_supported()
+                except ModelFormatError as e:
+                    held.close()
+                    raise ModelFormatError(str(path), e.reason) from None
+                except BaseException:
+                    held.close()
+                    raise
+                if layout.identity in self._models:  # the same model twice (a copy, or two names of one file)
+                    held.close()
+                    continue
+                self._models[layout.identity] = (held, layout, ModelIdentity.of(layout, held.name))
+            self.control = transport.control_server(settings.host, settings.port)
+            self.ring: RingIn = transport.ring_in(settings.host, settings.port + 1 if settings.port else 0)
+        except BaseException:
+            self._close_models()
+            raise
         self._lock = threading.Lock()  # held by the ring loop while it computes, and by a load while it swaps
         self._deployment: Deployment | None = None
         self._stop = threading.Event()
@@ -110,6 +137,7 @@ class Node:
         self._loader: threading.Thread | None = None
         self._used_at_start = memory_view().used_bytes  # memory pressure counts from here
         self._profiling = Profiling(self.name, settings.profile_dir)
+        self._contact = time.monotonic()  # when a head last sent anything (a control request or a ring message)
 
     # --- main loop -----------------------------------------------------------------------------------------
 
@@ -124,6 +152,7 @@ class Node:
                 if got is None:
                     continue
                 envelope, body = got
+                self._contact = time.monotonic()
                 reply = self._handle_control(body)
                 self.control.reply(envelope, encode(reply))
         finally:
@@ -135,9 +164,14 @@ class Node:
                 self._drop_deployment()
             self.control.close()
             self.ring.close()
+            self._close_models()
 
     def stop(self) -> None:
         self._stop.set()
+
+    def _close_models(self) -> None:
+        for held, _, _ in self._models.values():
+            held.close()
 
     def _drop_deployment(self) -> None:
         """Free the current windows (the caller holds the deployment lock)."""
@@ -148,6 +182,7 @@ class Node:
     # --- control -------------------------------------------------------------------------------------------
 
     def _error(self, code: str, message: str, retryable: bool = False) -> ErrorReply:
+        message = _brief(message)
         log.warning("control request refused (%s): %s", code, message)
         return ErrorReply(node=self.name, code=code, message=message, retryable=retryable)
 
@@ -217,8 +252,8 @@ class Node:
         if self._deployment is not None:
             return self._error("busy", "this node has windows loaded, which would skew its free memory: "
                                "unload them before profiling")
-        path, layout, _ = self._models[req.model]
-        profile, message = self._profiling.ask(path, layout, force=req.force)
+        held, layout, _ = self._models[req.model]
+        profile, message = self._profiling.ask(Path(held.path), layout, force=req.force, shown=held.name)
         return ProfileReply(node=self.name, profile=profile, message=message)
 
     def _load(self, a: Assignment) -> Status | ErrorReply:
@@ -226,19 +261,18 @@ class Node:
             held = ", ".join(f"{m.file_name} ({m.identity})" for _, _, m in self._models.values())
             return self._error("wrong_model", f"the head asked for {a.model.file_name} ({a.model.identity}), "
                                f"this node holds {held}: start it with --model pointing at the head's file")
-        path, layout, ident = self._models[a.model.identity]
-        problem = _check_assignment(a, ident.n_layer)
+        held, layout, ident = self._models[a.model.identity]
+        problem = _check_assignment(a, layout)
         if problem:
             return self._error("bad_assignment", problem)
         if self._loader is not None and self._loader.is_alive():
             return self._error("busy", "a load is already running; wait for it (see status)", retryable=True)
         self._status = Status(node=self.name, state="loading", epoch=a.epoch, message="waiting for the ring")
-        self._loader = threading.Thread(target=self._run_load, args=(a, str(path), layout), name="load",
-                                        daemon=True)
+        self._loader = threading.Thread(target=self._run_load, args=(a, held, layout), name="load", daemon=True)
         self._loader.start()
         return self.status()
 
-    def _run_load(self, a: Assignment, path: str, layout: ModelLayout) -> None:
+    def _run_load(self, a: Assignment, held: HeldFile, layout: ModelLayout) -> None:
         def progress(frac: float, what: str) -> None:
             self._status = Status(node=self.name, state="loading", epoch=a.epoch, progress=frac, message=what)
 
@@ -246,14 +280,20 @@ class Node:
         with self._lock:  # no compute while deployments change
             self._drop_deployment()
             try:
-                self._deployment = Deployment.load(a, path, layout, self.transport, progress, self.settings.memory,
-                                                   pin_threads=self.settings.pin_threads)
+                held.check()
+                self._deployment = Deployment.load(a, held.path, layout, self.transport, progress,
+                                                   self.settings.memory, pin_threads=self.settings.pin_threads)
+                held.check()  # where readers go by name, it must still have named the held file
             except Exception as e:
-                log.exception("loading assignment %d failed", a.epoch)
-                self._status = Status(node=self.name, state="failed", epoch=a.epoch, message=str(e))
+                # a file changed under the load says so, not what llama.cpp made of the bytes it found
+                message = held.problem() or str(e)
+                log.error("loading assignment %d failed: %s", a.epoch, message, exc_info=not held.problem())
+                self._drop_deployment()
+                self._status = Status(node=self.name, state="failed", epoch=a.epoch, message=message)
                 return
             # still under the lock, so that an Unload cannot slip in between and be overwritten
             self._status = Status(node=self.name, state="ready", epoch=a.epoch, progress=1.0, message="ready")
+            self._contact = time.monotonic()  # a slow load is not silence
         log.info("assignment %d loaded in %.2f s: windows %s, successor %s", a.epoch, time.perf_counter() - t0,
                  [(w.start, w.end) for w in a.windows], a.successor)
 
@@ -263,7 +303,9 @@ class Node:
         while not self._stop.is_set():
             frames = self.ring.recv(0.1)
             if frames is None:
+                self._release_if_abandoned()
                 continue
+            self._contact = time.monotonic()
             with self._lock:
                 try:
                     self._serve_ring(frames)
@@ -271,6 +313,26 @@ class Node:
                     log.exception("ring message failed")
                 finally:
                     self._activity = ""
+
+    def _release_if_abandoned(self) -> None:
+        """Free the windows when no head has said anything for release_after_s: its head has gone (crashed, or its
+        device left the network), and the memory is the device owner's again. The next head sees an idle node, and
+        why, and deploys again. Runs on the ring thread, so the control loop never waits for the lock."""
+        limit = self.settings.release_after_s
+        if limit <= 0 or self._deployment is None or time.monotonic() - self._contact < limit:
+            return
+        if self._loader is not None and self._loader.is_alive():
+            return
+        with self._lock:
+            dep, silent = self._deployment, time.monotonic() - self._contact
+            if dep is None or silent < limit:  # a message or a load came in meanwhile
+                return
+            self._drop_deployment()
+            message = (f"freed the windows of assignment {dep.epoch} after {silent:.0f} s without a word from a head "
+                       f"(--release-after {limit:g}); deploy an assignment again to use this node")
+            self._status = Status(node=self.name, state="idle", message=message)
+            self._kv_positions = 0
+        log.warning("%s", message)
 
     def _serve_ring(self, frames: list[bytes | memoryview]) -> None:
         dep = self._deployment
@@ -300,11 +362,12 @@ class Node:
             self._kv_positions = dep.device.kv_pos_max(0) + 1
         except (ProtocolError, PrimaplugError) as e:
             step = e.step if isinstance(e, RingFrameError) else step
-            log.warning("ring message refused (step %d): %s", step, e)
+            message = _brief(str(e))
+            log.warning("ring message refused (step %d): %s", step, message)
             if dep is None:
                 return  # no successor to tell: the head will time out and ask for a status
             out = (RingError(proto=PROTOCOL_VERSION, epoch=epoch, step=step, node=self.name, code="bad_message",
-                             message=str(e)), None)
+                             message=message), None)
         self._activity = f"sending step {out[0].step} to {dep.out.address}"
         if not dep.out.send(encode_ring(*out), self.settings.send_timeout_s):
             log.error("successor %s did not take step %d within %.1f s; dropped it", dep.out.address, out[0].step,
@@ -313,9 +376,20 @@ class Node:
             dep.sent(out[0])
 
 
-def _check_assignment(a: Assignment, n_layer: int) -> str:
+def _brief(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """A refusal's message, cut short: it may quote what a peer sent (a name, a value that failed to decode), and a
+    megabyte of it must not go to the log and back over the wire."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+def _check_assignment(a: Assignment, layout: ModelLayout) -> str:
+    """What is wrong with an assignment for this model on this device ("" when nothing): every field is checked
+    here, before llama.cpp sees it (it asserts, or wraps sizes into 32 bits, or allocates whatever it is told)."""
+    n_layer = layout.n_layer
     if not a.windows:
         return "an assignment needs at least one window (an empty one makes a relay)"
+    if len(a.windows) > n_layer:
+        return f"{len(a.windows)} rounds: a model of {n_layer} layers goes round the ring at most {n_layer} times"
     prev = -1
     for w in a.windows:
         if not 0 <= w.start <= w.end <= n_layer:
@@ -327,6 +401,8 @@ def _check_assignment(a: Assignment, n_layer: int) -> str:
         prev = w.end if w.end > w.start else prev
     if min(a.n_ctx, a.n_batch, a.n_ubatch, a.n_seq_max) < 1 or a.n_threads < 0:
         return "n_ctx, n_batch, n_ubatch and n_seq_max must be positive, n_threads not negative"
+    if max(a.n_ctx, a.n_batch, a.n_ubatch) > MAX_COUNT:
+        return f"n_ctx, n_batch and n_ubatch must be at most {MAX_COUNT} (got {a.n_ctx}, {a.n_batch}, {a.n_ubatch})"
     cores = os.cpu_count() or 1
     if a.n_threads > THREADS_PER_CORE * cores:
         return (f"{a.n_threads} compute threads on a device of {cores} cores: at most {THREADS_PER_CORE * cores} "
@@ -335,6 +411,22 @@ def _check_assignment(a: Assignment, n_layer: int) -> str:
         return f"{a.n_seq_max} sequences: llama.cpp holds at most {MAX_PARALLEL}"
     if a.n_ubatch > a.n_batch or a.n_batch > a.n_ctx:
         return f"batch sizes must satisfy n_ubatch <= n_batch <= n_ctx (got {a.n_ubatch}, {a.n_batch}, {a.n_ctx})"
-    if not a.successor.startswith("tcp://"):
-        return f"successor '{a.successor}' is not a tcp:// endpoint"
+    if a.n_seq_max > a.n_batch:  # llama.cpp asserts (and the node aborted): it reserves an output row per sequence
+        return f"{a.n_seq_max} sequences need batches of at least as many rows (n_batch is {a.n_batch})"
+    if a.n_ctx < a.n_seq_max:
+        return f"a context of {a.n_ctx} positions leaves none to each of {a.n_seq_max} sequences"
+    used = [LayerRange(w.start, w.end) for w in a.windows if w.end > w.start]
+    need, total = reserved_bytes(layout, used, a.n_ctx, a.n_batch, a.n_ubatch), memory_view().total_bytes
+    if need > total:  # a huge context once had a node allocate 24 GiB before it could fail
+        return (f"a context of {a.n_ctx} positions (batches of {a.n_batch}, {a.n_ubatch} at a time) needs "
+                f"{need / 2**30:.1f} GiB of KV cache and compute buffers for these windows; this device has "
+                f"{total / 2**30:.1f} GiB in all: ask for a smaller context")
+    if len(a.successor) > MAX_ENDPOINT_CHARS or not a.successor.startswith("tcp://"):
+        return f"successor '{_brief(a.successor, 80)}' is not a tcp:// endpoint"
+    try:
+        host, port = parse_endpoint(a.successor)
+    except ConfigError:
+        host, port = "", 0
+    if not host or not 0 < port < 65536:
+        return f"successor '{a.successor}' is not a tcp://HOST:PORT endpoint"
     return ""

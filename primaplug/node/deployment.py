@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -110,3 +112,18 @@ class Deployment:
     def close(self) -> None:
         self.device.close()
         self.out.close()
+        _return_freed_memory()
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc keeps them otherwise): llama.cpp's buffers of a large context
+    or batch stay in the node's RSS after the windows are freed, by 50-100 MiB on Gemma 3 270M, and the device's
+    owner gets that memory back only when the node releases it. Elsewhere (macOS, musl) there is nothing to call."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None)

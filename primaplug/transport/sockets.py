@@ -9,8 +9,11 @@ With cluster keys, every socket speaks CurveZMQ and bound sockets admit only hol
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -33,74 +36,160 @@ __all__ = ["ZmqControlClient", "ZmqControlServer", "ZmqRingIn", "ZmqRingOut", "Z
 
 
 REJECTIONS_LOG_S = 60.0  # a peer turned away again within this time is counted, not logged again
+_REJECTIONS_KEPT = 64  # peers remembered (and lines logged) per interval; the rest of a crowd shares one line
 
 
 class _Rejections:
-    """Logs a refusal once per kind and interval, then how many more there were: a peer that keeps retrying (ZeroMQ
-    reconnects every 100 ms) must not fill the log."""
+    """Logs a refused peer once per interval, then how many more times it was refused: a peer that keeps retrying
+    (ZeroMQ reconnects every 100 ms) must not fill the log, and a crowd of them must not fill memory."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._seen: dict[str, tuple[float, int]] = {}  # key -> (when it was last logged, refusals since)
+        self._lines: dict[str, tuple[float, int]] = {}  # peer (or "?endpoint") -> (when logged, refusals since)
+        self._last_on: dict[str, str] = {}  # endpoint -> the key of the last line logged for it
 
-    def note(self, what: str, key: str | None = None) -> None:
-        """Logs `what` unless the same `key` (by default `what` itself) was logged within the interval."""
+    def note(self, why: str, peer: str | None, where: str | None = None) -> None:
+        """A refusal of `peer` (its IP address; None where it could not be read) connecting to `where` (this side's
+        endpoint, where known)."""
         now = time.monotonic()
-        key = key or what
         with self._lock:
-            last, more = self._seen.get(key, (-REJECTIONS_LOG_S, 0))
-            if now - last < REJECTIONS_LOG_S:
-                self._seen[key] = (last, more + 1)
-                return
-            self._seen[key] = (now, 0)
+            # a refusal whose peer could not be named counts toward the line already logged for the endpoint; so does
+            # a named one after an unnamed line there (a retrying peer whose first address was lost): one line each
+            folds = [peer] if peer else []
+            last = self._last_on.get(where or "")
+            if last is not None and (peer is None or last.startswith("?")):
+                folds.append(last)
+            for key in folds:
+                at, more = self._lines.get(key, (-REJECTIONS_LOG_S, 0))
+                if now - at < REJECTIONS_LOG_S:
+                    self._lines[key] = (at, more + 1)
+                    return
+            key = peer or f"?{where}"
+            crowd = False
+            if key not in self._lines and len(self._lines) >= _REJECTIONS_KEPT:
+                self._lines = {k: v for k, v in self._lines.items() if now - v[0] < REJECTIONS_LOG_S}
+                self._last_on = {w: k for w, k in self._last_on.items() if k in self._lines}
+                if len(self._lines) >= _REJECTIONS_KEPT:  # that many peers within one interval: one line for the rest
+                    at, more = self._lines.get("+", (-REJECTIONS_LOG_S, 0))
+                    if now - at < REJECTIONS_LOG_S:
+                        self._lines["+"] = (at, more + 1)
+                        return
+                    key, crowd = "+", True
+            more = self._lines.get(key, (0.0, 0))[1]
+            self._lines[key] = (now, 0)
+            if where and not crowd:
+                self._last_on[where] = key
+        who = f"a peer at {peer}" if peer else "a peer whose address was gone before it could be read"
+        who += f" (more than {_REJECTIONS_KEPT} peers refused within {REJECTIONS_LOG_S:.0f} s)" if crowd else ""
+        to = f" connecting to {where}" if where else ""
         again = f" ({more} more time(s) in the last {REJECTIONS_LOG_S:.0f} s)" if more else ""
-        log.warning("%s%s (give it the cluster key file made by `primaplug keygen`)", what, again)
+        log.warning("rejected %s%s: %s%s (give it the cluster key file made by `primaplug keygen`)", who, to, why,
+                    again)
 
 
-_REJECTIONS = _Rejections()
+class _Authenticator(zmq.auth.thread.ThreadAuthenticator):
+    """pyzmq's ZAP handler, keeping the address of the request it is checking: the key callback is given only the
+    domain and the key, and a refusal should name the peer. Requests are checked one at a time, on one thread."""
+
+    peer = ""
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        self.peer = msg[3].decode("utf-8", "replace") if len(msg) > 3 else ""  # ZAP: version, id, domain, address
+        await super().handle_zap_message(msg)
 
 
 class _KeyCheck:
-    """ZAP callback: lets in only clients that hold the cluster key, and logs the others."""
+    """ZAP callback: lets in only clients that hold the cluster key, and logs the others with their address."""
 
-    def __init__(self, keys: ClusterKeys) -> None:
-        self.public = keys.public
+    def __init__(self, keys: ClusterKeys, auth: _Authenticator, rejections: _Rejections) -> None:
+        self.public, self.auth, self.rejections = keys.public, auth, rejections
 
     def callback(self, domain: str, key: bytes) -> bool:
-        ok = zmq.utils.z85.encode(key) == self.public if len(key) == 32 else key == self.public
+        z85 = zmq.utils.z85.encode(key) if len(key) == 32 else key  # pyzmq hands over the Z85 form
+        ok = z85 == self.public
         if not ok:
-            peer = zmq.utils.z85.encode(key).decode()[:8] if len(key) == 32 else str(key)[:8]
-            _REJECTIONS.note(f"rejected a peer holding key {peer}...: not this cluster's key")
+            held = z85.decode("ascii", "replace")[:8]
+            self.rejections.note(f"it holds key {held}..., not this cluster's", self.auth.peer or None)
         return ok
 
 
+# refusals libzmq makes before the key check; the key check (ZAP) logs its own, with the key (an "auth" failure)
 _HANDSHAKE_FAILED = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed: it does not speak CurveZMQ with the cluster key",
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication failed",
 }
+_MONITORED = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | sum(_HANDSHAKE_FAILED)
+
+
+def _peer_of(fd: int) -> str | None:
+    """The IP address at the other end of socket `fd` (libzmq's), or None when it is closed or not a socket."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        sock = socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return None
+    with sock:
+        try:
+            return str(sock.getpeername()[0])
+        except (OSError, IndexError):
+            return None
 
 
 class _HandshakeLog(threading.Thread):
     """Logs the peers a Curve server socket turns away before they reach the key check (wrong server key, or
-    no encryption at all): libzmq drops them silently otherwise."""
+    no encryption at all): libzmq drops them silently otherwise.
 
-    def __init__(self, sock: zmq.Socket, address: str) -> None:
+    libzmq's monitor events (without its draft API, as pyzmq ships it) name only this socket's endpoint, never the
+    peer. The peer is read with getpeername on the file descriptor an ACCEPTED event carries, while the connection is
+    still open; a failed handshake is reported just before the DISCONNECTED event of its connection (one I/O thread
+    sends both), which names that descriptor. A peer that does not speak CurveZMQ at all is refused at its greeting,
+    often before this thread has read the ACCEPTED event: its address is gone by then, and the line says so.
+    """
+
+    def __init__(self, sock: zmq.Socket, address: str, rejections: _Rejections) -> None:
         super().__init__(name=f"handshake-log {address}", daemon=True)
-        self.sock, self.address = sock, address
-        self.monitor = sock.get_monitor_socket(sum(_HANDSHAKE_FAILED))
+        self.sock, self.address, self.rejections = sock, address, rejections
+        self.monitor = sock.get_monitor_socket(_MONITORED)
         self.stopping = threading.Event()
         self.start()
 
     def run(self) -> None:
+        queued: collections.deque[dict] = collections.deque()
+        peers: dict[int, str | None] = {}  # descriptor -> the peer of each connection accepted and not yet closed
+        failed = ""  # why the handshake of the connection whose DISCONNECTED comes next failed
         while not self.stopping.is_set():
-            if self.monitor.poll(200):
-                event = zmq.utils.monitor.recv_monitor_message(self.monitor)
-                why = _HANDSHAKE_FAILED.get(event["event"])
-                if why:  # libzmq names only this socket's endpoint, not the peer's; a retrying peer's first
-                    # handshake fails with a reason, the later ones often with none: one key per endpoint
-                    _REJECTIONS.note(f"rejected a peer connecting to {self.address}: {why}", key=self.address)
+            event = queued.popleft() if queued else self._next(200)
+            if event is None:
+                continue
+            kind, value = event["event"], event["value"]
+            if failed and kind != zmq.EVENT_DISCONNECTED:  # not the pairing expected: say it without a peer
+                self.rejections.note(failed, None, self.address)
+                failed = ""
+            if kind == zmq.EVENT_ACCEPTED:
+                peer = _peer_of(value)
+                while (more := self._next(0)) is not None:
+                    queued.append(more)
+                # libzmq reports DISCONNECTED before it closes the descriptor: if one is already queued, the number
+                # may have been closed and given to another socket before getpeername read it
+                gone = any(e["event"] == zmq.EVENT_DISCONNECTED and e["value"] == value for e in queued)
+                peers[value] = None if gone else peer
+            elif kind in _HANDSHAKE_FAILED:
+                failed = _HANDSHAKE_FAILED[kind]
+            elif kind == zmq.EVENT_DISCONNECTED:
+                peer = peers.pop(value, None)
+                if failed:
+                    self.rejections.note(failed, peer, self.address)
+                    failed = ""
         self.monitor.close()
+
+    def _next(self, timeout_ms: int) -> dict | None:
+        if not self.monitor.poll(timeout_ms):
+            return None
+        return zmq.utils.monitor.recv_monitor_message(self.monitor)
 
     def stop(self) -> None:
         self.stopping.set()
@@ -117,16 +206,18 @@ class ZmqTransport:
     def __init__(self, keys: ClusterKeys | None = None) -> None:
         self.keys = keys
         self.ctx = zmq.Context()
-        self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
+        self._auth: _Authenticator | None = None
         self._monitors: list[_HandshakeLog] = []
+        self._rejections = _Rejections()  # one log of refused peers for all the sockets of this transport
 
     def _server(self, sock: zmq.Socket) -> None:
         if self.keys is None:
             return
         if self._auth is None:
-            self._auth = zmq.auth.thread.ThreadAuthenticator(self.ctx, log=logging.getLogger(__name__ + ".zap"))
+            self._auth = _Authenticator(self.ctx, log=logging.getLogger(__name__ + ".zap"))
             self._auth.start()
-            self._auth.configure_curve_callback("*", credentials_provider=_KeyCheck(self.keys))
+            check = _KeyCheck(self.keys, self._auth, self._rejections)
+            self._auth.configure_curve_callback("*", credentials_provider=check)
         sock.curve_secretkey = self.keys.secret
         sock.curve_publickey = self.keys.public
         sock.curve_server = True
@@ -154,7 +245,7 @@ class ZmqTransport:
             sock.close()
             raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
         if self.keys is not None:
-            self._monitors.append(_HandshakeLog(sock, endpoint(host, port)))
+            self._monitors.append(_HandshakeLog(sock, endpoint(host, port), self._rejections))
         return port
 
     def control_server(self, host: str, port: int) -> ZmqControlServer:

@@ -176,15 +176,20 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _enc.encode(msg)
 
 
+# what msgspec raises for bytes that are not a message: a string that is not UTF-8 is a UnicodeDecodeError (it once
+# escaped the node's control loop and stopped the node)
+DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError)
+
+
 def decode_request(data: bytes) -> ControlRequest:
     try:
         return _req_dec.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except DECODE_ERRORS as e:
         raise ProtocolError(f"malformed control request: {e}") from None
 
 
 def decode_reply(data: bytes) -> ControlReply:
     try:
         return _rep_dec.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except DECODE_ERRORS as e:
         raise ProtocolError(f"malformed control reply: {e}") from None

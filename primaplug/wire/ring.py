@@ -16,9 +16,12 @@ import msgspec
 import numpy as np
 
 from primaplug.core.errors import ProtocolError
-from primaplug.wire.messages import PROTOCOL_VERSION
+from primaplug.wire.messages import DECODE_ERRORS, PROTOCOL_VERSION
 
 DTYPES = {"int32": np.dtype("<i4"), "float32": np.dtype("<f4")}
+# The largest header read. A real one is small (at most one part per sequence, a few words each, or an error's
+# sentence); a header of a hundred thousand parts would cost a hundred times its size in objects once decoded.
+MAX_RING_HEADER_BYTES = 64 * 1024
 
 
 class _RingMsg(msgspec.Struct, frozen=True, tag_field="kind"):
@@ -127,6 +130,9 @@ def decode_ring(frames: list[bytes | memoryview]) -> tuple[RingMessage, np.ndarr
     """The message and, for an Activation, its rows (n_rows x width), checked against the header."""
     if not frames:
         raise ProtocolError("empty ring message")
+    if len(frames[0]) > MAX_RING_HEADER_BYTES:
+        raise ProtocolError(f"ring header of {len(frames[0])} bytes, more than any real one "
+                            f"({MAX_RING_HEADER_BYTES}): not decoded")
     try:
         msg = _dec.decode(frames[0])
     except msgspec.ValidationError as e:
@@ -136,7 +142,7 @@ def decode_ring(frames: list[bytes | memoryview]) -> tuple[RingMessage, np.ndarr
         if step is not None:
             raise RingFrameError(step, f"malformed ring header of step {step}: {e}") from None
         raise ProtocolError(f"malformed ring header: {e}") from None
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise ProtocolError(f"malformed ring header: {e}") from None
     if msg.proto != PROTOCOL_VERSION:
         raise ProtocolError(f"ring message speaks protocol {msg.proto}, this side speaks {PROTOCOL_VERSION}: "
@@ -172,7 +178,7 @@ def _step_of(header: bytes | memoryview) -> int | None:
     """The step a header names, read leniently from one that failed validation (None: it names none)."""
     try:
         raw = msgspec.msgpack.decode(header)
-    except msgspec.DecodeError:
+    except DECODE_ERRORS:
         return None
     step = raw.get("step") if isinstance(raw, dict) else None
     return step if isinstance(step, int) and not isinstance(step, bool) else None
