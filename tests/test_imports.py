@@ -16,6 +16,7 @@ ALLOWED = {
     "core": set(),
     "wire": {"core"},
     "transport": {"core"},
+    "discovery": {"core", "wire", "transport"},
     "decoding": {"core"},
     "engine": {"core", "decoding"},
     "memory": {"core"},
@@ -27,12 +28,12 @@ ALLOWED = {
     "server": {"core"},
     "tui": {"core", "wire", "scheduler", "head"},
     "cli": {"core", "wire", "transport", "engine", "memory", "profiler", "scheduler", "device", "node", "head",
-            "server", "tui"},
+            "server", "tui", "discovery"},
 }
 TOP = {"__init__.py": {"head"}, "__main__.py": {"cli"}}  # the package's own top-level modules (Llama, main)
 # outside libraries only one package may import
 OWNER = {"zmq": {"transport"}, "llama_cpp": {"engine", "server"}, "highspy": {"scheduler"}, "textual": {"tui"},
-         "rich": {"tui"}}
+         "rich": {"tui"}, "zeroconf": {"discovery"}, "ifaddr": {"discovery"}}
 
 
 def _imports(path: Path) -> set[str]:
@@ -88,6 +89,13 @@ def test_importing_a_node_loads_no_ui_or_solver() -> None:
 
 def test_importing_primaplug_loads_nothing_native() -> None:
     code = "import sys, primaplug; bad = {'llama_cpp', 'zmq'} & set(sys.modules); assert not bad, bad"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_discoverys_rules_load_no_zeroconf() -> None:
+    """The announcement's records and the same-cluster rules are pure: zeroconf loads with the Browser."""
+    code = ("import sys, primaplug.discovery, primaplug.cli; "
+            "bad = {'zeroconf', 'ifaddr', 'zmq'} & set(sys.modules); assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

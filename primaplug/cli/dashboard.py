@@ -4,18 +4,20 @@ cluster it last ran (nodes, keys file, model, plan), remembered in the user's co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 from pathlib import Path
 from typing import Any
 
-from primaplug.cli.common import RUN, addresses, default_model, draft_flags, plan_settings
+from primaplug.cli.common import AUTO, RUN, addresses, browsing, default_model, draft_flags, plan_settings
 from primaplug.core import PrimaplugError
 
 
 def add_parser(sub: Any) -> None:
     d = sub.add_parser("dashboard", help="the terminal dashboard: nodes, plan, deploy, chat, live figures")
     d.add_argument("-m", "--model", help="GGUF file (default: the last one, else the bundled Gemma 3 270M)")
-    d.add_argument("--nodes", type=addresses, help="HOST:PORT of each `primaplug node`, in ring order "
+    d.add_argument("--nodes", type=addresses, help="HOST:PORT of each `primaplug node`, in ring order; auto: add "
+                   "the nodes of this cluster that advertise themselves (node --advertise) as they appear "
                    "(default: the cluster the dashboard last ran)")
     d.add_argument("--local-nodes", type=int, default=None, metavar="N",
                    help="start N nodes on this machine, stopped when the dashboard quits")
@@ -47,7 +49,9 @@ def main(args: argparse.Namespace) -> int:
 
     remembered = Remembered() if args.forget else Remembered.load()
     if args.nodes is not None or args.local_nodes is not None:  # a cluster given replaces the remembered one
-        remembered.nodes, remembered.local_nodes = list(args.nodes or []), args.local_nodes or 0
+        remembered.discover = args.nodes == [AUTO]
+        remembered.nodes = [] if remembered.discover else list(args.nodes or [])
+        remembered.local_nodes = args.local_nodes or 0
     if args.keys:
         remembered.keys = args.keys
     if args.model:
@@ -60,5 +64,10 @@ def main(args: argparse.Namespace) -> int:
                               n_ubatch=args.ubatch_size, node_threads=args.node_threads,
                               chat_format=args.chat_format, plan_settings=plan_settings(args),
                               draft_model=args.model_draft, draft_max=args.draft_max, draft_min=args.draft_min)
-    DashboardApp(coordinator, local_nodes=remembered.local_nodes, remembered=remembered).run()
+    with contextlib.ExitStack() as stack:
+        discovered = None
+        if remembered.discover:  # --nodes auto: nodes are added as they advertise themselves
+            discovered = stack.enter_context(browsing(remembered.keys, coordinator.layout.identity)).addresses
+        DashboardApp(coordinator, local_nodes=remembered.local_nodes, remembered=remembered,
+                     discovered=discovered).run()
     return 0

@@ -22,6 +22,7 @@ FILE_NAME = "dashboard.json"
 class Remembered:
     nodes: list[str] = field(default_factory=list)  # HOST:PORT of nodes started by hand
     local_nodes: int = 0  # nodes the dashboard starts on this machine
+    discover: bool = False  # add the nodes of the cluster that advertise themselves (--nodes auto)
     keys: str | None = None  # the cluster key file
     model: str | None = None  # the GGUF file (None: the bundled model)
     scheduler: str = "halda"  # halda, memory, compute, even or manual
