@@ -115,3 +115,10 @@ def test_settings_for_requests_in_flight_are_checked_before_anything_loads(kwarg
 
     with pytest.raises(ConfigError, match=re.escape(says)):
         primaplug.Llama("no-such-model.gguf", **kwargs)
+
+
+def test_more_sequences_than_a_batch_holds_is_refused(gemma_path) -> None:
+    import primaplug
+
+    with pytest.raises(ConfigError, match=re.escape("n_parallel (8) cannot exceed n_batch (4)")):
+        primaplug.Llama(gemma_path, n_parallel=8, n_batch=4, n_ubatch=4)

@@ -107,9 +107,9 @@ def test_local_nodes_plan_deploy_chat_equals_plain_and_quit_stops_them(gemma_pat
 
 
 def test_a_node_killed_mid_chat_turns_red_and_one_started_later_is_added(gemma_path: Path, config_dir: Path) -> None:
-    """Nodes started by hand: one killed while a reply streams turns red in place with its reason, and the reply
-    ends with an error; a node started later is added by its address (a), and the ring goes on without the dead
-    one once it is removed (x) and the plan is made again."""
+    """Nodes started by hand: one killed while a reply streams turns red in place with its reason, and the reply goes
+    on over the ring re-formed without it; a node started later is added by its address (a), and the ring goes on
+    with it once the dead one is removed (x) and the plan is made again."""
     with tempfile.TemporaryDirectory() as logs, LocalNodes(gemma_path, 2, log_dir=logs) as first:
         coordinator = Coordinator(gemma_path, first.addresses, timeout_s=2.0)
         app = DashboardApp(coordinator, remembered=Remembered(scheduler="even"), blink=False)
@@ -127,11 +127,12 @@ def test_a_node_killed_mid_chat_turns_red_and_one_started_later_is_added(gemma_p
                         killed.set()
                         os.kill(victim.pid, signal.SIGKILL)
                 coordinator.events.subscribe(kill_after_a_few_tokens)
-                await chat(app, pilot, MESSAGE, 400)
-                await until(pilot, lambda: not app.generating, "the reply to stop", 60)
+                await chat(app, pilot, MESSAGE, 24)
+                await until(pilot, lambda: not app.generating, "the reply to end", 60)
                 assert killed.is_set()
                 transcript = app.run_pane.transcript
-                assert "[the reply stopped: node node2" in transcript and "stopped answering" in transcript
+                assert "[the reply stopped" not in transcript and app.reply  # it went on without node2
+                assert [r.lost for r in coordinator.llm.reforms] == [("node2",)]
                 app.redraw()
                 shown = app.run_pane._shown["nodes"]  # the Run pane's node table: (name, view, failed) rows
                 assert [name for name, _, failed in shown if failed] == ["node2"]
@@ -155,7 +156,7 @@ def test_a_node_killed_mid_chat_turns_red_and_one_started_later_is_added(gemma_p
                     await until(pilot, lambda: coordinator.llm is not None and not app.busy, "the redeployment")
                     await chat(app, pilot, MESSAGE, 8)
                     await until(pilot, lambda: not app.generating, "the reply on the new ring")
-                    assert app.reply and app.run_pane.transcript.count("[the reply stopped") == 1  # the first's
+                    assert app.reply and "[the reply stopped" not in app.run_pane.transcript
                     await pilot.press("escape", "q")
             saved = Remembered.load()
             assert first.addresses[0] in saved.nodes and victim.address not in saved.nodes

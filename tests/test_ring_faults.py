@@ -1,14 +1,10 @@
-"""Bad input and failures on a real ring: malformed messages get error replies and the node keeps serving; a
-node killed mid-generation is named within the timeout and the others take a new assignment; CurveZMQ keeps
-peers without the cluster key out."""
+"""Bad input on a real ring: malformed messages get error replies and the node keeps serving; CurveZMQ keeps peers
+without the cluster key out. (A node killed mid-generation: tests/test_recovery.py.)"""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -166,54 +162,6 @@ def test_bad_control_requests_get_error_replies(one_node_ring, gemma_path: Path)
     with pytest.raises(NodeError, match=r"at most 256"):
         client.load(msgspec.structs.replace(a, n_seq_max=1000))
     assert client.status().state == "ready"  # the refused loads changed nothing
-
-
-# --- a node dies --------------------------------------------------------------------------------------------------
-
-def test_killed_node_is_named_and_the_others_go_on(gemma_nodes, gemma_path: Path) -> None:
-    import primaplug
-    from primaplug.core import NodeUnavailableError
-
-    ring = primaplug.Llama(gemma_path, nodes=gemma_nodes.addresses, scheduler="even", timeout_s=2.0, node_threads=1,
-                           **LLAMA_KWARGS)
-    prompt = ring.tokenize(b"The history of distributed computing")
-    failure: list[BaseException] = []
-
-    def decode_forever() -> None:
-        try:
-            greedy_scores(ring, prompt, 200)
-        except BaseException as e:  # noqa: BLE001 - the test inspects it
-            failure.append(e)
-
-    victim = gemma_nodes.nodes[1]
-    worker = threading.Thread(target=decode_forever)
-    worker.start()
-    while ring.n_tokens < len(prompt) + 5 and worker.is_alive():
-        time.sleep(0.01)
-    os.kill(victim.pid, signal.SIGKILL)
-    t_kill = time.monotonic()
-    worker.join(30)
-    waited = time.monotonic() - t_kill
-    ring.close()
-    assert not worker.is_alive(), "the head hung on a dead node"
-    assert failure and isinstance(failure[0], NodeUnavailableError), failure
-    assert failure[0].node == victim.name and "node2" in str(failure[0]) and "step" in str(failure[0])
-    assert waited < 2.0 + 5.0  # the timeout, plus one probe interval and slack for a loaded machine
-    assert victim.proc.wait(5) == -signal.SIGKILL
-
-    survivors = [gemma_nodes.addresses[0], gemma_nodes.addresses[2]]
-    ring = primaplug.Llama(gemma_path, nodes=survivors, scheduler="even", timeout_s=2.0, node_threads=1, **LLAMA_KWARGS)
-    try:
-        tokens, _ = greedy_scores(ring, prompt, 8)
-    finally:
-        ring.close()
-    import llama_cpp
-
-    plain = llama_cpp.Llama(str(gemma_path), **LLAMA_KWARGS)
-    try:
-        assert tokens == greedy_scores(plain, prompt, 8)[0]
-    finally:
-        plain.close()
 
 
 # --- CurveZMQ -----------------------------------------------------------------------------------------------------

@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from primaplug.core import PrimaplugError
-from primaplug.core.settings import DRAFT_MAX, DRAFT_MIN, RunSettings
-from primaplug.head.events import Deployed, Event, NodeMetrics, NodeProgress, Notice, Planned
+from primaplug.core.settings import DISCOVER_S, DRAFT_MAX, DRAFT_MIN, PROVE_TIMEOUT_S, RunSettings
+from primaplug.head.events import Deployed, Event, NodeMetrics, NodeProgress, Notice, Planned, Reformed
 
 RUN = RunSettings()
+AUTO = "auto"  # --nodes auto: the nodes of this cluster that advertise themselves (node --advertise)
 
 
 def say(text: str) -> None:
@@ -50,9 +52,11 @@ def sizes(text: str) -> list[int]:
 
 
 def addresses(text: str) -> list[str]:
+    if text.strip() == AUTO:
+        return [AUTO]
     addrs = [a.strip() for a in text.split(",") if a.strip()]
     if not addrs or any(":" not in a for a in addrs):
-        raise argparse.ArgumentTypeError(f"--nodes takes HOST:PORT,HOST:PORT,...; got {text!r}")
+        raise argparse.ArgumentTypeError(f"--nodes takes HOST:PORT,HOST:PORT,... or auto; got {text!r}")
     return addrs
 
 
@@ -60,7 +64,8 @@ def ring_flags(p: argparse.ArgumentParser, *, deploys: bool = True, ctx_size: in
     """The flags of a ring, shared by `run`, `serve` and `plan` (deploys=False: plan runs nothing, so it takes no
     split, thread or GPU-layer counts; ctx_size: -c's default, which `serve` takes from llama-cpp-python's server)."""
     p.add_argument("-m", "--model", help="GGUF file (default: the bundled Gemma 3 270M)")
-    p.add_argument("--nodes", type=addresses, help="HOST:PORT of each `primaplug node`, in ring order")
+    p.add_argument("--nodes", type=addresses, help="HOST:PORT of each `primaplug node`, in ring order; auto: the "
+                   "nodes of this cluster that advertise themselves (node --advertise), by name")
     p.add_argument("--local-nodes", type=int, default=0, metavar="N",
                    help="start N nodes on this machine for this run, and stop them after")
     p.add_argument("--scheduler", choices=("halda", "memory", "compute", "even"), default="halda",
@@ -122,7 +127,11 @@ def plan_settings(args: argparse.Namespace) -> Any:
 
 @contextlib.contextmanager
 def node_addresses(args: argparse.Namespace, path: Path) -> Iterator[list[str]]:
-    """--nodes as given, or --local-nodes started here (and stopped after), or none."""
+    """--nodes as given (auto: those found), or --local-nodes started here (and stopped after), or none."""
+    if args.nodes == [AUTO] and not args.local_nodes:
+        with discovered(args, path) as browser:
+            yield browser.addresses()
+        return
     if not args.local_nodes:
         yield list(args.nodes or [])
         return
@@ -135,6 +144,68 @@ def node_addresses(args: argparse.Namespace, path: Path) -> Iterator[list[str]]:
                 + ", ".join(f"{n.name} {n.address} (pid {n.pid})" for n in local.nodes))
             yield local.addresses
         say(f"stopped the {args.local_nodes} local nodes")
+
+
+@contextlib.contextmanager
+def discovered(args: argparse.Namespace, path: Path, timeout_s: float = DISCOVER_S) -> Iterator[Any]:
+    """--nodes auto: browse for timeout_s, say which nodes of this cluster were found (the others are logged with
+    why), and yield the discovery Browser, which browses on while the caller runs: its addresses() are the nodes of
+    the cluster there at any moment."""
+    from primaplug.engine import read_layout
+
+    with browsing(args.keys, read_layout(path).identity) as browser:
+        say(f"looking for nodes that advertise themselves ({timeout_s:g} s)")
+        time.sleep(timeout_s)
+        browser.settle()
+        found = browser.usable()
+        if not found:
+            raise PrimaplugError(none_found(timeout_s, [why for _, why in browser.refused()]))
+        say(f"found {len(found)} node(s) of this cluster: " + ", ".join(f"{f.name} {a}" for f, a in found))
+        yield browser
+
+
+@contextlib.contextmanager
+def browsing(keys_path: str | None, model: str | None = None) -> Iterator[Any]:
+    """A discovery Browser for the cluster of this key file (none: keyless nodes on loopback), which uses only the
+    nodes that prove they hold the key (key_proof) and, given a model identity, announce that model."""
+    from primaplug.discovery import Browser
+    from primaplug.transport import ZmqTransport, load_keys
+
+    keys = load_keys(keys_path) if keys_path else None
+    transport = ZmqTransport(keys)
+    try:
+        with Browser(keys, prove=key_proof(transport), model=model) as browser:
+            yield browser
+    finally:
+        transport.close()
+
+
+def none_found(timeout_s: float, skipped: list[str]) -> str:
+    if not skipped:
+        return (f"no primaplug node advertised itself within {timeout_s:g} s: start nodes with --advertise, or pass "
+                "--nodes HOST:PORT,...")
+    return (f"no node of this cluster advertised itself within {timeout_s:g} s; skipped: " + "; ".join(skipped)
+            + ". Or pass --nodes HOST:PORT,...")
+
+
+def key_proof(transport: Any) -> Callable[[str], bool]:
+    """Whether a node found proves it holds the cluster key: it answers a Hello within PROVE_TIMEOUT_S. With keys,
+    the transport's CurveZMQ handshake checks the node's public key, so a node with another key never answers
+    and is never sent anything else."""
+    from primaplug.head.nodes import NodeClient
+
+    def prove(address: str) -> bool:
+        client = NodeClient(transport, address, timeout_s=PROVE_TIMEOUT_S)
+        try:
+            client.hello()
+            return True
+        except PrimaplugError as e:
+            logging.getLogger(__name__).info("%s did not prove itself: %s", address, e)
+            return False
+        finally:
+            client.close()
+
+    return prove
 
 
 def llama_kwargs(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
@@ -150,12 +221,18 @@ def ring_llama(args: argparse.Namespace, path: Path, kwargs: dict[str, Any]) -> 
 
     events = Events()
     events.subscribe(EventLines())
-    with node_addresses(args, path) as nodes:
+    with contextlib.ExitStack() as stack:
+        candidates = None  # --nodes auto: the nodes found later join the ring too
+        if args.nodes == [AUTO] and not args.local_nodes:
+            browser = stack.enter_context(discovered(args, path))
+            nodes, candidates = browser.addresses(), browser.addresses
+        else:
+            nodes = stack.enter_context(node_addresses(args, path))
         llm = Llama(path, nodes=nodes, layers=args.layers, scheduler=args.scheduler, rounds=args.rounds,
                     plan_settings=plan_settings(args), keys=args.keys, listen=args.listen, timeout_s=args.timeout,
                     node_threads=args.node_threads, node_gpu_layers=args.n_gpu_layers, events=events,
                     n_threads=args.threads, draft_model=args.model_draft, draft_max=args.draft_max,
-                    draft_min=args.draft_min, **kwargs)
+                    draft_min=args.draft_min, node_candidates=candidates, **kwargs)
         try:
             yield llm
         finally:
@@ -207,6 +284,9 @@ class EventLines:
                                f"{event.seconds:.1f} s: {nodes}; head {head}")
                 else:
                     self._line(f"no nodes: the head runs the windows {head} itself, in this process")
+            case Reformed():
+                self._line(f"ring re-formed in {event.seconds:.1f} s (survey {event.survey_s:.1f}, plan "
+                           f"{event.plan_s:.1f}, load {event.load_s:.1f}): {event.why}; {event.plan}")
             case NodeMetrics(status=s) if s.memory_mode:
                 mib = 2**20
                 self._line(f"{event.node}: {s.steps_done} windows computed; memory {s.memory_mode}, budget "

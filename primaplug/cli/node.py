@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from primaplug.core.settings import DEFAULT_PORT
+from primaplug.core.settings import DEFAULT_PORT, HEAD_SILENCE_S
 
 DESCRIPTION = f"""\
 Run a node: it holds windows of the models given with -m and serves them to whichever head deploys an assignment.
@@ -30,6 +30,10 @@ def add_parser(sub: Any) -> None:
                            f"(default 127.0.0.1:{DEFAULT_PORT})")
     node.add_argument("--name", help="name shown to the head (default: the host name)")
     node.add_argument("--keys", help="cluster key file (primaplug keygen); required off loopback")
+    node.add_argument("--advertise", action="store_true",
+                      help="announce this node on the local network (mDNS/DNS-SD) so that heads find it with "
+                           "--nodes auto: its name, ports, models and a fingerprint of the cluster's public key, "
+                           "no secret (docs/discovery.md)")
     node.add_argument("--memory-budget", type=int, metavar="MiB",
                       help="memory for the windows' weights (default: available memory less KV cache, buffers, 5%%)")
     node.add_argument("--no-prefetch", action="store_true", help="do not page windows in ahead of compute")
@@ -43,6 +47,9 @@ def add_parser(sub: Any) -> None:
                       "auto when the threads use every core (default)")
     node.add_argument("--profile-dir", help="where this device's measured profile is cached "
                       "(default ~/.cache/primaplug/profiles; give each emulated device its own)")
+    node.add_argument("--release-after", type=float, default=HEAD_SILENCE_S, metavar="SECONDS",
+                      help="free the loaded windows after this long without a word from any head (it has gone), "
+                      f"and go idle until one deploys again; 0: never (default {HEAD_SILENCE_S:g})")
     node.set_defaults(func=main)
 
 
@@ -59,7 +66,7 @@ def main(args: argparse.Namespace) -> int:
     from primaplug.transport import ZmqTransport, load_keys, split_address
 
     if not args.verbose:  # say what the node does (loads, refusals), not each message
-        for name in ("primaplug.node", "primaplug.transport", "primaplug.device"):
+        for name in ("primaplug.node", "primaplug.transport", "primaplug.device", "primaplug.discovery"):
             logging.getLogger(name).setLevel(logging.INFO)
     host, port = split_address(args.listen)
     keys = load_keys(args.keys) if args.keys else None
@@ -70,7 +77,8 @@ def main(args: argparse.Namespace) -> int:
     settings = NodeSettings(models=tuple(Path(m) for m in args.model), host=host, port=port,
                             name=args.name or platform.node(), secure=keys is not None, memory=memory,
                             profile_dir=Path(args.profile_dir) if args.profile_dir else None,
-                            pin_threads={"auto": None, "0": False, "1": True}[args.cpu_strict])
+                            pin_threads={"auto": None, "0": False, "1": True}[args.cpu_strict],
+                            release_after_s=args.release_after)
     transport = ZmqTransport(keys)
     try:
         node = Node(settings, transport)
@@ -79,7 +87,22 @@ def main(args: argparse.Namespace) -> int:
         ring = node.ring.address
         ctl_host, _, ctl_port = node.control.address.rpartition(":")
         print(f"primaplug node {node.name} ready: control {ctl_host}:{ctl_port} ring {ring}", flush=True)
-        node.serve()
+        advertiser = _advertise(args, node.name, host, int(ctl_port), ring, keys) if args.advertise else None
+        try:
+            node.serve()
+        finally:
+            if advertiser is not None:
+                advertiser.close()
     finally:
         transport.close()
     return 0
+
+
+def _advertise(args: argparse.Namespace, name: str, host: str, port: int, ring: str, keys: Any) -> Any:
+    """Announce the node (--advertise) in the background; the node serves meanwhile."""
+    from primaplug.discovery import Advertiser
+    from primaplug.engine import read_layout
+
+    models = [read_layout(Path(m)).identity for m in args.model]
+    return Advertiser(name=name, host=host, port=port, ring_port=int(ring.rpartition(":")[2]), models=models,
+                      keys=keys).start()

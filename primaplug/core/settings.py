@@ -20,7 +20,21 @@ PROBE_AFTER_S = 0.5
 MAX_RING_MESSAGE_BYTES = 128 * 2**20
 MAX_CONTROL_MESSAGE_BYTES = 16 * 2**20
 LOAD_TIMEOUT_S = 600.0  # a node loading (or profiling) its windows from a slow disk
+# A node that hears nothing from any head (no control request, no ring message) for this long frees its windows and
+# goes idle: its head has gone. A running head asks each node for its status at least every second.
+HEAD_SILENCE_S = 300.0
+# While a head runs, it asks every node of its ring for a status this often (its heartbeat): a node that restarted,
+# went silent or came back is noticed between requests, and a node knows its head is still there.
+HEARTBEAT_S = 1.0
 DEFAULT_PORT = 7000  # a node's control port; its ring listens on the next one
+# Discovery (`node --advertise`, `--nodes auto`; docs/discovery.md). mDNS answers come within a fraction of a
+# second; DISCOVER_S leaves room for a busy Wi-Fi. A node found proves it holds the cluster key by answering a Hello
+# over CurveZMQ within PROVE_TIMEOUT_S (one with another key never answers); one that failed is asked again after
+# PROVE_RETRY_S. An announcement outlives a node killed without saying goodbye by at most ADVERTISE_TTL_S.
+DISCOVER_S = 3.0
+PROVE_TIMEOUT_S = 2.0
+PROVE_RETRY_S = 30.0
+ADVERTISE_TTL_S = 120
 
 # At most two drafted tokens a trip by default (llama.cpp's --draft-max is 16). Up to 14 keep greedy output the
 # tokens plain llama.cpp gives without a draft (a trip of at most 15 rows goes through the one-row kernels, patch

@@ -148,7 +148,9 @@ class Batcher:
         if self._closed:
             raise PrimaplugError("the ring is closed")
         self._queue.put(step)
-        step.done.wait()
+        while not step.done.wait(0.5):
+            if not self._thread.is_alive():  # closed between the check above and the put: nobody will answer
+                step.fail(PrimaplugError("the ring was closed"))
         if step.error is not None:
             raise step.error
         assert step.result is not None
@@ -165,8 +167,8 @@ class Batcher:
                 self._launch()
                 if self._out:
                     self._receive()
-                elif self._waiting:  # held for requests still sampling: look again shortly
-                    self._take(0.0005)
+                elif self._waiting and not self._take(0.0005):  # held for requests still sampling: look again
+                    break
             except BaseException as e:  # the ring itself failed (a node is gone): every step in flight fails
                 self._fail_all(e)
         self._fail_all(PrimaplugError("the ring was closed"))
@@ -199,7 +201,12 @@ class Batcher:
             steps = self._group(r)
             for s in steps:
                 self._waiting.remove(s)
-            self._send(r, steps)
+            try:
+                self._send(r, steps)
+            except BaseException as e:  # the first node did not take it: neither waiting nor out, fail it here
+                for s in steps:
+                    s.fail(e)
+                raise
 
     def _hold(self) -> bool:
         """Whether a trip into round 0 waits for requests that are still sampling their next token."""
@@ -347,6 +354,9 @@ class Batcher:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
+                return
+            if item is None:  # closed meanwhile: the loop must still see it
+                self._queue.put(None)
                 return
             if isinstance(item, _Step):
                 item.fail(error)

@@ -9,6 +9,7 @@ With no nodes at all the head runs every window itself. What happens is publishe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -296,13 +297,63 @@ class Cluster:
 
     def ring(self, local: DeviceWindows | None) -> RingHead:
         """The ring, closed by the head, with the head's own windows (`local`: one per round, over head_ranges).
-        Without nodes (none given, or a plan that found the head fastest alone) the head runs every window."""
+        Without nodes (none given, or a plan that found the head fastest alone) the head runs every window. A ring
+        made before (of an earlier assignment) stops sending."""
+        for old in self._outs:
+            old.close()
+        self._outs.clear()
         out = None
         if self.nodes:
             out = self.transport.ring_out(self.settings.link(HEAD, self._ring_endpoint(0)))
             self._outs.append(out)
         return RingHead(self.nodes, self.ring_in, out, self.epoch, local, len(self.head_ranges), self.model.n_layer,
                         self.model.n_embd, self.settings.timeout_s)
+
+    # --- re-forming: nodes lost or joined (head/recovery.py) ------------------------------------------------------
+
+    @property
+    def rounds(self) -> int:
+        """k: the windows each device runs per token."""
+        return len(self.node_ranges[0]) if self.node_ranges else max(1, len(self.head_ranges))
+
+    @property
+    def head_size(self) -> int:
+        """The head's layers per round (every round's window has the same size)."""
+        return self.head_ranges[0].n_layers if self.head_ranges and self.nodes else 0
+
+    def node_sizes(self) -> list[int]:
+        """Each node's layers per round, in ring order."""
+        return [r[0].n_layers for r in self.node_ranges]
+
+    def survey(self, timeout_s: float) -> tuple[list[NodeClient], list[NodeClient]]:
+        """(lost, stale): the nodes that do not answer within timeout_s, and those that answer without this
+        assignment loaded (restarted, or freed their windows)."""
+        lost, stale = [], []
+        for n in self.nodes:
+            try:
+                st = n.status(timeout_s=timeout_s)
+            except (NodeError, NodeUnavailableError, ProtocolError):
+                lost.append(n)
+                continue
+            if st.state != "ready" or st.epoch != self.epoch:
+                stale.append(n)
+        return lost, stale
+
+    def reform(self, nodes: list[NodeClient], sizes: Sequence[int], gpu: Sequence[int]) -> None:
+        """Deploy the ring again under a new assignment over `nodes` (in ring order) with `sizes` layers per round
+        each; the head keeps its windows (so it keeps its model, which every request's context reads), and nodes
+        that leave are asked to free theirs."""
+        ranges = ring_windows([*sizes, self.head_size], self.rounds, self.model.n_layer)
+        if [r for r in ranges[-1] if r.n_layers] != [r for r in self.head_ranges if r.n_layers]:
+            raise ConfigError(f"a re-formed ring must leave the head its windows {self.head_ranges}, got {ranges[-1]}")
+        for n in self.nodes:
+            if all(n is not m for m in nodes):
+                # a lost one frees its windows itself once the head has been silent long enough
+                with contextlib.suppress(NodeError, NodeUnavailableError, ProtocolError):
+                    n.unload()
+        self.nodes, self.node_ranges, self.node_gpu = list(nodes), ranges[:-1], list(gpu)
+        self.epoch = max(int(time.time() * 1000), self.epoch + 1)
+        self.deploy()
 
     def problem(self, timeout_s: float) -> str | None:
         """None when every node answers ready with this assignment; else what is wrong, in a sentence."""

@@ -53,6 +53,25 @@ class Deployed:
 
 
 @dataclass(frozen=True)
+class Reformed:
+    """The ring was re-formed: nodes were lost or joined, the devices there are were planned again and loaded, under
+    a new assignment. The requests in flight replay their prefix onto it and go on."""
+
+    why: str  # what was noticed: the node lost (and how), or the node that joined
+    lost: tuple[str, ...]
+    joined: tuple[str, ...]
+    plan: str  # the new windows, in words (and how they were chosen)
+    epoch: int
+    survey_s: float  # asking every node whether it is there
+    plan_s: float  # re-planning
+    load_s: float  # the nodes loading their new windows
+
+    @property
+    def seconds(self) -> float:
+        return self.survey_s + self.plan_s + self.load_s
+
+
+@dataclass(frozen=True)
 class BatchDone:
     """One batch went round the ring (a prompt's batch, or one decoded token)."""
 
@@ -80,7 +99,7 @@ class NodeMetrics:
     busy_share: float = 0.0  # the share of the time since the last report the node spent running windows
 
 
-Event = NodeProgress | Notice | Planned | Deployed | BatchDone | SessionChanged | NodeMetrics
+Event = NodeProgress | Notice | Planned | Deployed | Reformed | BatchDone | SessionChanged | NodeMetrics
 
 
 @dataclass(frozen=True)
@@ -107,6 +126,7 @@ class ClusterView:
     decoded_tokens: int = 0  # tokens evaluated one at a time
     decode_s: float = 0.0
     notice: str = ""
+    reforms: int = 0  # times the ring was re-formed (nodes lost or joined)
 
     @property
     def tpot_s(self) -> float:
@@ -129,7 +149,8 @@ def apply(view: ClusterView, event: Event) -> ClusterView:
         case Planned():
             return replace(view, plan=event.description)
         case Deployed():
-            nodes = dict(view.nodes)
+            # a node of an earlier ring that is not in this one holds no window of it
+            nodes = {name: replace(v, windows=()) for name, v in view.nodes.items()}
             for name, windows in event.nodes:
                 nodes[name] = replace(nodes.get(name, NodeView()), state="ready", progress=1.0, windows=windows)
             return replace(view, nodes=nodes, head_windows=event.head, deployed=True)
@@ -142,6 +163,13 @@ def apply(view: ClusterView, event: Event) -> ClusterView:
                            decode_s=view.decode_s + event.seconds)
         case SessionChanged():
             return replace(view, n_past=event.n_past)
+        case Reformed():
+            nodes = {**view.nodes}
+            for name in event.lost:  # out of the ring: shown failed, with why, until it answers again
+                nodes[name] = replace(nodes.get(name, NodeView()), state="failed", windows=(),
+                                      message=f"left out of the ring: {event.why}")
+            return replace(view, nodes=nodes, notice=f"ring re-formed in {event.seconds:.1f} s: {event.why}",
+                           reforms=view.reforms + 1)
     return view
 
 

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +28,9 @@ from primaplug.engine.ring_llama import RingLlama
 from primaplug.engine.speculative import Speculation, draft_token_seconds, open_speculation
 from primaplug.head.batching import Batcher
 from primaplug.head.cluster import Cluster, ClusterSettings, Route
-from primaplug.head.events import Events, Notice
+from primaplug.head.events import Events, Notice, Reformed
 from primaplug.head.planning import PlanSettings, draft_bytes, measure, plan_cluster, plan_with_speculation
+from primaplug.head.recovery import Recovery, Replanner
 from primaplug.head.session import Session
 from primaplug.head.slots import Slots
 from primaplug.memory.prefetcher import Switches
@@ -92,6 +93,10 @@ class Llama(RingLlama):
             ring together (head/batching.py); each gets the tokens it gets alone.
         ring_trips: trips in the ring at once when several requests are in flight (0: one per device, or one when
             a device streams its windows, so that a window streamed once serves every request waiting at it).
+        node_candidates: addresses of nodes that may join while this Llama runs, asked at every heartbeat (the nodes
+            found on the network: primaplug.discovery). Whatever the source, a node lost from the ring that answers
+            again rejoins, and a node that restarts is loaded again: the ring is re-planned and deployed when no
+            request runs, or when a request finds it broken (head/recovery.py; `llm.reforms` lists each time).
         **kwargs: llama_cpp.Llama's own arguments (n_ctx, n_batch, n_ubatch, n_threads, seed, chat_format, ...);
             n_ctx, n_batch and n_ubatch default to primaplug's RunSettings (4096, 512, 512).
     """
@@ -121,6 +126,7 @@ class Llama(RingLlama):
         draft_min: int = DRAFT_MIN,
         n_parallel: int = _RUN.n_parallel,
         ring_trips: int = _RUN.ring_trips,
+        node_candidates: Callable[[], Sequence[str]] | None = None,
         **kwargs: Any,
     ) -> None:
         nodes = tuple(nodes or ())
@@ -154,6 +160,9 @@ class Llama(RingLlama):
         n_ctx = kwargs["n_ctx"] or layout.n_ctx_train
         n_batch = kwargs["n_batch"] = min(n_ctx, kwargs["n_batch"])
         n_ubatch = kwargs["n_ubatch"] = min(n_batch, kwargs["n_ubatch"])
+        if n_parallel > n_batch:  # llama.cpp sizes a context's outputs by n_batch and asserts on more sequences
+            raise ConfigError(f"n_parallel ({n_parallel}) cannot exceed n_batch ({n_batch}): every sequence in flight "
+                              "needs a row of a batch; raise n_batch (-b) or lower --parallel")
         kwargs["n_threads"] = threads = head_threads(kwargs.get("n_threads") or 0, bool(nodes))
         self.events = events or Events()
         self._owns_transport = transport is None
@@ -180,7 +189,8 @@ class Llama(RingLlama):
                                          head_reserved_bytes=reserved)
                 if memory_budget is not None and ps.head_memory_bytes is None:
                     ps = dataclasses.replace(ps, head_memory_bytes=memory_budget)
-                self.plan = plan_cluster(cluster, measure(cluster, path, layout, ps), ps)
+                measured = measure(cluster, path, layout, ps)
+                self.plan = plan_cluster(cluster, measured, ps)
                 log.info("%s", self.plan.describe())
             else:
                 cluster.plan()
@@ -201,17 +211,25 @@ class Llama(RingLlama):
                     self.plan = plan_with_speculation(self.plan, draft_token_seconds(self.speculation.source, probe),
                                                       draft_min, draft_max)
                     self.events.publish(Notice(self.plan.speculation.describe()))  # type: ignore[union-attr]
+            replanner = Replanner.of(cluster, measured, ps) if planned else Replanner.of(cluster, None, None)
             cluster.deploy()
             model = self._device.model
             output = model.window(layout.n_layer, layout.n_layer, settings=dataclasses.replace(
                 context, n_ctx=n_ctx, n_seq_max=1, poll=0))
-            self._batcher = Batcher(cluster.ring(self._device), output, n_batch=n_batch, trips=ring_trips,
-                                    streams=ring_trips == 0 and n_parallel > 1 and self._streams())
-            self.session = Session(self._batcher, n_batch=n_batch, events=self.events)
+
+            def open_ring(c: Cluster) -> Batcher:
+                return Batcher(c.ring(self._device), output, n_batch=n_batch, trips=ring_trips,
+                               streams=ring_trips == 0 and n_parallel > 1 and self._streams())
+
+            # a node lost, restarted or joined re-forms the ring (head/recovery.py); requests replay onto it
+            self._recovery = Recovery(cluster, open_ring(cluster), open_ring, replanner,
+                                      idle=lambda: self._slots.running == 0, candidates=node_candidates)
+            self.session = Session(self._batcher, n_batch=n_batch, events=self.events, reform=self._recovery)
             super().__init__(model, self.session, speculation=self.speculation, **kwargs)
             # the other sequences: a llama-cpp-python front each (its sampler, its prefix), on the same ring
             self._slots = Slots([self] + [
-                RingLlama(model, Session(self._batcher, n_batch=n_batch, events=self.events, seq_id=i), **kwargs)
+                RingLlama(model, Session(self._batcher, n_batch=n_batch, events=self.events, seq_id=i,
+                                         reform=self._recovery), **kwargs)
                 for i in range(1, n_parallel)])
         except BaseException:
             self._close_ring()
@@ -239,9 +257,21 @@ class Llama(RingLlama):
         """Calls waiting for a free sequence."""
         return self._slots.waiting
 
+    @property
+    def _batcher(self) -> Batcher:
+        """The ring's driver now (a re-formed ring has a new one)."""
+        return self._recovery.current()
+
+    @property
+    def reforms(self) -> list[Reformed]:
+        """Every time the ring was re-formed (nodes lost, restarted or joined), with where the time went."""
+        return list(self._recovery.reports)
+
     @contextlib.contextmanager
     def _sequence(self, prompt: str | Sequence[int]) -> Iterator[RingLlama]:
-        """A free sequence for this prompt, held until the block ends; this Llama's own is one of them."""
+        """A free sequence for this prompt, held until the block ends; this Llama's own is one of them. At a request
+        boundary (none running), a ring the heartbeat found broken or joined is re-formed first."""
+        self._recovery.at_boundary()
         slot = self._slots.acquire(prompt, self.tokenize)
         try:
             yield slot
@@ -263,11 +293,12 @@ class Llama(RingLlama):
         with self._sequence(input if isinstance(input, str) else (input[0] if input else "")) as slot:
             return super().embed(input, *args, **kwargs) if slot is self else slot.embed(input, *args, **kwargs)
 
-    def ring_problem(self, timeout_s: float = 1.0) -> str | None:
-        """None when every node answers ready with this head's assignment; else what is wrong, in a sentence."""
+    def ring_problem(self) -> str | None:
+        """None when the ring serves, or can be re-formed from the nodes there are (the heartbeat watches them);
+        else what is wrong, in a sentence. Asks no node: it costs nothing on a request's way."""
         if self._cluster is None:
             return "this Llama is closed"
-        return self._cluster.problem(min(timeout_s, self._cluster.settings.timeout_s))
+        return self._recovery.problem()
 
     @property
     def cluster(self) -> Cluster:
@@ -275,9 +306,9 @@ class Llama(RingLlama):
         return self._cluster
 
     def _close_ring(self) -> None:
-        if getattr(self, "_batcher", None) is not None:
-            self._batcher.close()  # type: ignore[union-attr]
-            self._batcher = None
+        if getattr(self, "_recovery", None) is not None:
+            self._recovery.close()  # its heartbeat, and the ring's driver
+            self._recovery = None
         for slot in getattr(self, "_slots", Slots([])).others(self):
             slot.close()
         if getattr(self, "speculation", None) is not None:

@@ -129,7 +129,7 @@ class Watch:
             raise NodeUnavailableError(
                 dead[0].name,
                 f"node {dead[0]} stopped answering for {timeout_s:.1f} s while the ring computed {doing}{was}. "
-                + (f"Still answering: {', '.join(alive)}; give them a new assignment to go on."
+                + (f"Still answering: {', '.join(alive)}."
                    if alive else "No node answers."))
         statuses = [(n, n.last_status) for n in self.nodes]
         for n, s in statuses:

@@ -34,6 +34,7 @@ from primaplug.head.events import (
     NodeView,
     Notice,
     Planned,
+    Reformed,
     SessionChanged,
     TokenClock,
 )
@@ -55,6 +56,7 @@ SWITCH_INTERVAL_S = 0.0005
 # node that stops answering)
 STREAMING_REFRESH_S = 0.5
 WATCH_S = 1.0  # how often the watcher asks each node how it is
+DISCOVERED_S = 1.0  # how often the nodes that advertise themselves are looked at (--nodes auto)
 STREAMING_WATCH_EVERY = 5
 
 
@@ -105,10 +107,13 @@ class DashboardApp(App[None]):
                     "plan": "plan", "deploy": "plan", "stop_chat": "run", "new_chat": "run"}
 
     def __init__(self, coordinator: Coordinator, *, local_nodes: int = 0, remembered: Remembered | None = None,
-                 autostart: bool = True, remember: bool = True, blink: bool = True) -> None:
+                 autostart: bool = True, remember: bool = True, blink: bool = True,
+                 discovered: Callable[[], list[str]] | None = None) -> None:
         """`local_nodes`: start that many nodes on this machine (and stop them on quit). `autostart`: connect,
         profile and plan as soon as the app starts, and watch the nodes (off in snapshot tests, which show
-        recorded profiles). `remember`: save the cluster to the config directory when it changes."""
+        recorded profiles). `remember`: save the cluster to the config directory when it changes. `discovered`:
+        the addresses of the nodes of this cluster there now (discovery's Browser.addresses, --nodes auto); each
+        new one is added as if typed in (a)."""
         super().__init__()
         self.coordinator = coordinator
         self.remembered = remembered or Remembered()
@@ -130,6 +135,8 @@ class DashboardApp(App[None]):
         self._drawn_at = 0.0
         self._unsubscribe: list[Callable[[], None]] = []
         self.plan_note = ""
+        self.discovered = discovered
+        self._added_discovered: set[str] = set()  # each address found is added once (x removes it for good)
 
     # --- layout ----------------------------------------------------------------------------------------------
 
@@ -182,6 +189,8 @@ class DashboardApp(App[None]):
         if self.autostart:
             self._background("starting", self._start)
             self._watch()
+        if self.discovered is not None:
+            self.set_interval(DISCOVERED_S, self._add_discovered)
 
     def on_unmount(self) -> None:
         sys.setswitchinterval(self._switch_interval)
@@ -296,6 +305,8 @@ class DashboardApp(App[None]):
                 say(f"the ring failed at {event.detail}", "red")
             case SessionChanged(what="replay"):
                 say(f"replayed the conversation onto the ring: {event.detail}")
+            case Reformed():
+                say(f"ring re-formed in {event.seconds:.1f} s: {event.why}; {event.plan}", "yellow")
 
     # --- running commands ------------------------------------------------------------------------------------
 
@@ -339,7 +350,9 @@ class DashboardApp(App[None]):
             for n in self.local.wait_ready():
                 c.add(n.address)
         if not c.nodes:
-            self._say("no nodes yet: press a (Nodes) to add one by HOST:PORT, or start the dashboard with "
+            self._say("no nodes yet: waiting for nodes of this cluster to advertise themselves (node --advertise); "
+                      "or press a (Nodes) to add one by HOST:PORT" if self.discovered is not None else
+                      "no nodes yet: press a (Nodes) to add one by HOST:PORT, or start the dashboard with "
                       "--local-nodes N")
             return
         self._set_busy("connecting")
@@ -376,12 +389,28 @@ class DashboardApp(App[None]):
             return
         c, r = self.coordinator, self.remembered
         local = {n.address for n in self.local.nodes} if self.local else set()
-        r.nodes = [a for a in c.nodes if a not in local]
+        r.nodes = [a for a in c.nodes if a not in local and a not in self._added_discovered]
         r.local_nodes, r.keys = self.n_local, c.keys
         if c.choice is not None:
             q = c.choice.request
             r.scheduler, r.rounds, r.layers, r.gpu_layers = q.scheduler, q.rounds, list(q.layers), q.gpu_layers
         r.save()
+
+    def _add_discovered(self) -> None:
+        """Add the nodes found since the last look (--nodes auto), as if typed in: connect, profile, plan."""
+        if self.discovered is None or self.busy or self._quitting.is_set():
+            return  # a command under way: they are added at the next look
+        new = [a for a in self.discovered() if a not in self._added_discovered and a not in self.coordinator.nodes]
+        if not new:
+            return
+        for address in new:
+            self.coordinator.add(address)
+            self._added_discovered.add(address)
+
+        def job() -> None:
+            if self.coordinator.connect():
+                self._profile_and_plan(force=False)
+        self._background(f"adding {', '.join(new)} (found on the network)", job)
 
     @work(thread=True, group="watch", exit_on_error=False)
     def _watch(self) -> None:

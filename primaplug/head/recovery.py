@@ -1,0 +1,305 @@
+"""Keeping the ring going when nodes are lost, restart or join.
+
+A request whose batch fails because a node went silent or lost its windows (head/session.py) asks Recovery for a
+ring to go on with. Recovery re-forms it, once for every request in flight:
+
+1. survey: ask every node of the ring for its status (a short timeout): the silent ones are lost; those that answer
+   without the assignment (restarted, or freed their windows) are loaded again;
+2. re-plan the nodes there are, with nodes that appeared meanwhile (a lost one back, one discovered): with the
+   scheduler and the profiles measured at the start when the ring was planned, else the split by hand rescaled to
+   them; the head keeps its windows (every request's context reads its model);
+3. deploy under a new assignment id, and open a new ring driver (head/batching.py);
+4. each session replays its prefix onto it and carries on (head/session.py): greedy text is the text of an
+   uninterrupted run.
+
+When no request runs, a heartbeat thread asks every node for its status every HEARTBEAT_S (which also tells nodes
+their head is there): a node that restarted, went silent or came back is re-planned at once, so the next request
+finds a working ring. Each re-forming is published (events.Reformed), with where its time went.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from primaplug.core.errors import NodeError, NodeUnavailableError, PrimaplugError, ProtocolError
+from primaplug.core.settings import HEARTBEAT_S
+from primaplug.head.batching import Batcher
+from primaplug.head.cluster import Cluster, unique_names
+from primaplug.head.events import Notice, Reformed
+from primaplug.head.nodes import NodeClient
+from primaplug.head.planning import Measured, PlanSettings
+from primaplug.scheduler import solve
+from primaplug.scheduler.halda import apportion
+from primaplug.transport import is_loopback, split_address
+
+log = logging.getLogger(__name__)
+
+SURVEY_S = 1.0  # a node's control loop answers at once, even while it computes or loads: silence is an answer
+RETRY_S = 5.0  # after a re-forming failed, the heartbeat waits this long before it tries again
+
+
+@dataclass
+class Replanner:
+    """How a re-formed ring's windows are chosen: the scheduler again over the devices' profiles when the first ring
+    was planned from measurements, else each node's share of the first split by hand (by address), rescaled."""
+
+    measured: Measured | None = None
+    settings: PlanSettings | None = None
+    by_hand: dict[str, int] = field(default_factory=dict)  # node address -> its layers per round in the first ring
+    gpu: dict[str, int] = field(default_factory=dict)  # node address -> GPU layers of its windows (by hand)
+
+    @classmethod
+    def of(cls, cluster: Cluster, measured: Measured | None, settings: PlanSettings | None) -> Replanner:
+        return cls(measured, settings, dict(zip([n.address for n in cluster.nodes], cluster.node_sizes(), strict=True)),
+                   dict(zip([n.address for n in cluster.nodes], cluster.node_gpu, strict=True)))
+
+    def split(self, cluster: Cluster, nodes: Sequence[NodeClient]
+              ) -> tuple[list[NodeClient], list[int], list[int], str]:
+        """(the nodes that get windows, their layers per round, their GPU layers, how it was chosen)."""
+        total = cluster.model.n_layer // cluster.rounds - cluster.head_size
+        if not nodes or total < 1:
+            raise PrimaplugError(
+                "no node is left to run the layers the head does not hold "
+                f"({cluster.model.n_layer - cluster.head_size * cluster.rounds} of {cluster.model.n_layer}): start a "
+                "node (it joins at the next request), or restart with the head alone")
+        if self.measured is not None and self.settings is not None:
+            return self._scheduled(cluster, list(nodes), total)
+        mean = float(np.mean(list(self.by_hand.values()))) if self.by_hand else 1.0
+        weights = [self.by_hand.get(n.address, mean) for n in nodes]
+        nodes = list(nodes)[:total]  # more nodes than layers: the last ones wait outside
+        sizes = [int(x) for x in apportion(weights[: len(nodes)], total)]
+        gpu = [min(self.gpu.get(n.address, 0), s) for n, s in zip(nodes, sizes, strict=True)]
+        return nodes, sizes, gpu, f"the split by hand rescaled to {len(nodes)} node(s): {sizes} layers per round"
+
+    def _scheduled(self, cluster: Cluster, nodes: list[NodeClient], total: int) -> tuple[
+            list[NodeClient], list[int], list[int], str]:
+        m, s = self.measured, self.settings
+        assert m is not None and s is not None
+        known = {p.name: p for p in m.devices[1:]}
+        devices = [m.devices[0]]
+        for n in nodes:
+            p = known.get(n.name)
+            if p is None:  # joined since: its profile (cached on the node) with the links measured at the start
+                p = msgspec.structs.replace(n.profile(cluster.model.identity), name=n.name,
+                                            link_latency_s=m.link_latency_s, link_bps=m.link_bps)
+            devices.append(p)
+        plan = solve(devices, m.model, scheduler=s.scheduler, rounds=cluster.rounds, slow_disk_bps=s.slow_disk_bps,
+                     latency_model=s.latency_model)
+        kept = [n for n in nodes if any(d.name == n.name for d in plan.devices)]
+        if not kept:
+            raise PrimaplugError(f"the {s.scheduler} scheduler puts every layer on the head now, which holds only its "
+                                 "own windows: restart the head to run alone, or start a node")
+        w = [plan.device(n.name).w for n in kept]
+        sizes = [int(x) for x in apportion(w, total)] if sum(w) != total else w
+        gpu = [min(plan.device(n.name).n, x) for n, x in zip(kept, sizes, strict=True)]
+        how = f"{s.scheduler} over the {len(kept)} node(s) there are"
+        if sizes != w:
+            how += (f" (it gives the head {plan.head.w} layers a round, which keeps its {cluster.head_size}: the "
+                    f"nodes' {w} rescaled to {sizes})")
+        return kept, sizes, gpu, how
+
+
+class _Broken:
+    """The ring after a re-forming that failed: every call asks for another try."""
+
+    def __init__(self, epoch: int, why: str) -> None:
+        self.epoch, self.why = epoch, why
+
+    def forward(self, *_: object, **__: object) -> np.ndarray:
+        raise NodeError("ring", "reform_failed", self.why)
+
+    def kv_remove(self, *_: object, **__: object) -> None:
+        raise NodeError("ring", "reform_failed", self.why)
+
+    def close(self) -> None:
+        pass
+
+
+class Recovery:
+    """Re-forms the ring of a primaplug.Llama (the Reform of its sessions, head/session.py), and runs its heartbeat.
+
+    `open_ring(cluster)` makes the ring driver for the cluster as deployed; `idle()` says that no request runs (a
+    request boundary); `candidates()` gives addresses of nodes that may join (discovery), besides lost ones."""
+
+    def __init__(self, cluster: Cluster, first: Batcher, open_ring: Callable[[Cluster], Batcher], replanner: Replanner,
+                 *, idle: Callable[[], bool], candidates: Callable[[], Sequence[str]] | None = None,
+                 heartbeat_s: float = HEARTBEAT_S) -> None:
+        self.cluster, self.ring, self.open_ring, self.replanner = cluster, first, open_ring, replanner
+        self.idle, self.candidates = idle, candidates
+        self.events = cluster.events
+        self.pending: str | None = None  # why the ring should be re-formed at the next request boundary
+        self.failure: str | None = None  # why the last re-forming failed (None: it did not, or none was needed)
+        self.reports: list[Reformed] = []
+        self._departed: dict[str, NodeClient] = {}  # address -> a client to a node lost or left, to see it return
+        self._lock = threading.RLock()
+        self._retry_at = 0.0  # time.monotonic() before which the heartbeat does not try again after a failure
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._heartbeat, args=(heartbeat_s,), name="primaplug-heartbeat",
+                                        daemon=True) if cluster.nodes else None
+        if self._thread is not None:
+            self._thread.start()
+
+    # --- what sessions call --------------------------------------------------------------------------------------
+
+    def current(self) -> Batcher:
+        return self.ring  # type: ignore[return-value]
+
+    def __call__(self, failed: object, error: BaseException) -> Batcher:
+        with self._lock:
+            if self.ring is not failed:  # another request re-formed it meanwhile
+                return self.current()
+            return self._reform(f"{error}", error)
+
+    def at_boundary(self) -> None:
+        """A request starts and none runs: re-form now if the heartbeat found it needed."""
+        if self.pending is not None:
+            with self._lock:
+                if self.pending is not None and self.idle():
+                    self._try(self.pending)
+
+    def problem(self) -> str | None:
+        """What keeps the ring from serving, as far as the heartbeat knows: None while it works or can be re-formed."""
+        return self.failure
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        with self._lock:
+            self.ring.close()
+            for n in self._departed.values():
+                n.close()
+            self._departed.clear()
+
+    # --- re-forming --------------------------------------------------------------------------------------------
+
+    def _try(self, why: str) -> None:
+        try:
+            self._reform(why, None)
+        except PrimaplugError as e:
+            self._retry_at = time.monotonic() + RETRY_S
+            log.warning("could not re-form the ring (%s): %s", why, e)
+
+    def _reform(self, why: str, error: BaseException | None) -> Batcher:
+        c = self.cluster
+        t0 = time.perf_counter()
+        lost, stale = c.survey(min(SURVEY_S, c.settings.timeout_s))
+        joined = self._arrivals()
+        if not lost and not stale and not joined:
+            self.pending = None
+            if error is None or isinstance(error, NodeUnavailableError) or getattr(error, "code", "") == "lost":
+                # every node answers ready with this assignment: the ring works (a message lost in a short network
+                # drop, or the node that was slow answers again): the same ring, where the session replays
+                return self.current()
+            raise error  # a node refused a message, with every node there: the request's own error
+        for n in stale:  # it restarted: its ring port may have changed
+            try:
+                n.hello()
+            except (NodeError, NodeUnavailableError, ProtocolError):
+                lost.append(n)
+        nodes = [n for n in c.nodes if n not in lost] + joined
+        for n, name in zip(nodes, unique_names([(n.name, n.address) for n in nodes]), strict=True):
+            n.name = name
+        names = [n.name for n in lost]
+        what = "; ".join(filter(None, [
+            f"lost {', '.join(names)}" if lost else "",
+            f"{', '.join(n.name for n in stale if n not in lost)} restarted" if set(stale) - set(lost) else "",
+            f"{', '.join(n.name for n in joined)} joined" if joined else ""]))
+        self.events.publish(Notice(f"re-forming the ring: {what} ({why})"))
+        survey_s = time.perf_counter() - t0
+        try:
+            nodes, sizes, gpu, how = self.replanner.split(c, nodes)
+            plan_s = time.perf_counter() - t0 - survey_s
+            old, self.ring = self.ring, _Broken(c.epoch, f"the ring is being re-formed ({what})")
+            old.close()  # its steps fail; their sessions find it replaced and wait here for the new ring
+            c.reform(nodes, sizes, gpu)
+            self.ring = self.open_ring(c)
+        except PrimaplugError as e:
+            self.failure = f"the ring could not be re-formed after it {what}: {e}"
+            self.ring = _Broken(c.epoch, self.failure)
+            for n in lost:
+                self._departed.setdefault(n.address, n)
+            raise NodeError("ring", "reform_failed", self.failure) from e
+        load_s = time.perf_counter() - t0 - survey_s - plan_s
+        for n in lost:
+            self._departed.setdefault(n.address, n)
+        for n in joined:
+            self._departed.pop(n.address, None)
+        self.pending = self.failure = None
+        plan = ", ".join(f"{n.name} {s}" for n, s in zip(nodes, sizes, strict=True))
+        report = Reformed(f"{what} ({why})", tuple(names), tuple(n.name for n in joined),
+                          f"{plan} layers per round, head {c.head_size}, assignment {c.epoch}: {how}", c.epoch,
+                          survey_s, plan_s, load_s)
+        self.reports.append(report)
+        self.events.publish(report)
+        log.info("ring re-formed in %.2f s (survey %.2f, plan %.2f, load %.2f): %s; %s", report.seconds, survey_s,
+                 plan_s, load_s, what, report.plan)
+        return self.current()
+
+    def _arrivals(self) -> list[NodeClient]:
+        """Nodes outside the ring that answer a hello with the head's model: lost ones back, or new ones found."""
+        c, ring = self.cluster, {n.address for n in self.cluster.nodes}
+        addresses = list(self._departed)
+        if self.candidates is not None:
+            addresses += [a for a in self.candidates() if a not in addresses]
+        found = []
+        for a in addresses:
+            if a in ring or (c.transport.keys is None and not is_loopback(split_address(a)[0])):
+                continue  # off this machine a node must prove it holds the cluster key (CurveZMQ), as at the start
+            n = self._departed.get(a) or NodeClient(c.transport, a, c.settings.timeout_s)
+            try:
+                w = n.hello()
+            except (NodeError, NodeUnavailableError, ProtocolError):
+                if a not in self._departed:
+                    n.close()
+                continue
+            if c.model.identity in {m.identity for m in w.models}:
+                self._departed.pop(a, None)
+                found.append(n)
+            elif a not in self._departed:
+                n.close()
+        return found
+
+    # --- the heartbeat -----------------------------------------------------------------------------------------
+
+    def _heartbeat(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            if not self._lock.acquire(blocking=False):
+                continue  # a re-forming is under way
+            try:
+                self._beat()
+            except Exception:  # the heartbeat must outlive anything one beat meets
+                log.exception("heartbeat")
+            finally:
+                self._lock.release()
+
+    def _beat(self) -> None:
+        c = self.cluster
+        lost, stale = c.survey(min(SURVEY_S, c.settings.timeout_s))
+        if lost or stale:
+            self.pending = "; ".join(
+                [f"{n} does not answer" for n in lost] + [f"{n} answers without this ring's windows" for n in stale])
+        elif self._departed or self.candidates is not None:
+            back = [a for a in [*self._departed, *(self.candidates() if self.candidates else ())]
+                    if a not in {n.address for n in c.nodes} and self._answers(a)]
+            if back:
+                self.pending = f"{', '.join(back)} answer{'s' if len(back) == 1 else ''}"
+        if self.pending is not None and self.idle() and time.monotonic() >= self._retry_at:
+            self._try(self.pending)
+
+    def _answers(self, address: str) -> bool:
+        n = self._departed.get(address)
+        if n is None:
+            return True  # found by discovery: a hello will tell
+        try:
+            n.status(timeout_s=SURVEY_S / 4)
+        except (NodeError, NodeUnavailableError, ProtocolError):
+            return False
+        return True

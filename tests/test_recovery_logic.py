@@ -1,0 +1,45 @@
+"""How a re-formed ring's windows are chosen, as pure logic: a split by hand keeps each node's share by address,
+a new node gets the mean share, the head keeps its windows, and a ring with nobody left says what is short."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from primaplug.core.errors import PrimaplugError
+from primaplug.head.recovery import Replanner
+
+
+def _cluster(n_layer: int = 18, rounds: int = 1, head: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(model=SimpleNamespace(n_layer=n_layer), rounds=rounds, head_size=head)
+
+
+def _node(address: str) -> SimpleNamespace:
+    return SimpleNamespace(address=address, name=address)
+
+
+def test_a_split_by_hand_is_rescaled_to_the_nodes_left_by_their_shares() -> None:
+    r = Replanner(by_hand={"a": 8, "b": 2, "c": 6}, gpu={"a": 8, "b": 0, "c": 2})
+    nodes, sizes, gpu, how = r.split(_cluster(), [_node("a"), _node("c")])  # b lost
+    assert [n.address for n in nodes] == ["a", "c"] and sizes == [10, 8] and sum(sizes) == 18
+    assert gpu == [8, 2] and "rescaled to 2 node(s)" in how
+
+
+def test_the_head_keeps_its_layers_and_a_new_node_gets_the_mean_share() -> None:
+    r = Replanner(by_hand={"a": 3, "b": 3})
+    _, sizes, _, _ = r.split(_cluster(n_layer=18, rounds=2, head=3), [_node("a"), _node("new")])
+    assert sizes == [3, 3]  # 9 a round, 3 of them the head's
+    _, sizes, _, _ = r.split(_cluster(n_layer=18, rounds=2, head=3), [_node("a")])
+    assert sizes == [6]
+
+
+def test_more_nodes_than_layers_leaves_the_last_ones_out() -> None:
+    r = Replanner(by_hand={"a": 1, "b": 1})
+    nodes, sizes, _, _ = r.split(_cluster(n_layer=4, rounds=2, head=0), [_node(x) for x in "abc"])
+    assert [n.address for n in nodes] == ["a", "b"] and sizes == [1, 1]
+
+
+def test_no_node_left_says_which_layers_nobody_holds() -> None:
+    with pytest.raises(PrimaplugError, match=r"no node is left to run the layers the head does not hold \(12 of 18\)"):
+        Replanner(by_hand={"a": 6}).split(_cluster(head=2, rounds=3), [])
