@@ -41,7 +41,7 @@ def test_a_node_lost_mid_generation_changes_no_token(gemma_path: Path, tmp_path:
 
     prompt, tokens, scores = reference
     with LocalNodes(gemma_path, 3, log_dir=tmp_path) as local:
-        llm = primaplug.Llama(gemma_path, nodes=local.addresses, scheduler="even", rounds=rounds, timeout_s=2.0,
+        llm = primaplug.Llama(gemma_path, nodes=local.addresses, scheduler="even", rounds=rounds, timeout_s=1.0,
                               node_threads=1, **LLAMA_KWARGS)
         seen: list = []
         llm.events.subscribe(seen.append)

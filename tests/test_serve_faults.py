@@ -17,8 +17,8 @@ from tests.server_helpers import SERVE_KWARGS, ThreadedServer, openai_client
 pytestmark = pytest.mark.multiproc
 pytest.importorskip("fastapi", reason="needs primaplug[server]")
 openai = pytest.importorskip("openai", reason="needs the openai client (the test extra)")
-ASK = dict(model="gemma", messages=[{"role": "user", "content": "Tell me a long story."}], max_tokens=48,
-           temperature=0.0, extra_body={"min_tokens": 48})
+ASK = dict(model="gemma", messages=[{"role": "user", "content": "Tell me a long story."}], max_tokens=32,
+           temperature=0.0, extra_body={"min_tokens": 32})
 
 
 def _wait_for(what: str, done: Callable[[], bool], timeout_s: float = 60.0) -> None:

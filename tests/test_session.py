@@ -158,11 +158,11 @@ def test_a_refused_batch_is_an_error_and_the_next_request_replays(model: Path, n
         llm.close()
 
 
-@pytest.mark.parametrize("rounds", [1, 3])
-def test_a_dead_node_is_named_and_the_ring_re_forms_without_it(model: Path, nodes: InprocNodes, plain,
-                                                              rounds: int) -> None:
+def test_a_dead_node_is_named_and_the_ring_re_forms_without_it(model: Path, nodes: InprocNodes, plain) -> None:
     """The node is named within the timeout, the split by hand is rescaled to the nodes left (the head keeps its
-    windows), and the call goes on there with the logits of an uninterrupted run."""
+    windows), and the call goes on there with the logits of an uninterrupted run (at k = 1 and 2 on real processes:
+    tests/test_recovery.py)."""
+    rounds = 3
     prompt = _prompt(20, seed=4)
     per_round = 9 // rounds // 3  # 9 layers; the head runs only the output layer
     llm = _ring(model, nodes, n_nodes=3, rounds=rounds, layers=[per_round] * 3)
@@ -177,26 +177,10 @@ def test_a_dead_node_is_named_and_the_ring_re_forms_without_it(model: Path, node
         # the request's watch or the heartbeat, whichever noticed first (the test evaluates outside a request)
         assert r.lost == ("node2",) and "node2" in r.why, r
         assert [n.name for n in llm.cluster.nodes] == ["node1", "node3"]
-        assert llm.cluster.node_sizes() == [2, 1] if rounds == 3 else [5, 4], llm.cluster.node_sizes()
+        assert llm.cluster.node_sizes() == [2, 1], llm.cluster.node_sizes()
         assert "rescaled" in r.plan
         assert [_positions(nodes, i) for i in (0, 2)] == [21, 21]  # the prefix replayed, then the token
         assert any(type(e).__name__ == "Reformed" for e in seen)
-    finally:
-        llm.close()
-
-
-def test_with_no_node_left_the_error_says_what_is_short(model: Path, nodes: InprocNodes) -> None:
-    from primaplug.core.errors import NodeError
-
-    llm = _ring(model, nodes)
-    try:
-        llm.eval(_prompt(5))
-        nodes.kill(0)
-        nodes.kill(1)
-        with pytest.raises(NodeError, match="no node is left to run the layers the head does not hold") as e:
-            llm.eval([3])
-        assert "start a node" in str(e.value)
-        assert "no node is left" in (llm.ring_problem() or "")
     finally:
         llm.close()
 

@@ -325,11 +325,13 @@ class Cluster:
         """Each node's layers per round, in ring order."""
         return [r[0].n_layers for r in self.node_ranges]
 
-    def survey(self, timeout_s: float) -> tuple[list[NodeClient], list[NodeClient]]:
-        """(lost, stale): the nodes that do not answer within timeout_s, and those that answer without this
-        assignment loaded (restarted, or freed their windows)."""
+    def survey(self, timeout_s: float, skip: Sequence[NodeClient] = ()) -> tuple[list[NodeClient], list[NodeClient]]:
+        """(lost, stale): the nodes (but those to skip) that do not answer within timeout_s, and those that answer
+        without this assignment loaded (restarted, or freed their windows)."""
         lost, stale = [], []
         for n in self.nodes:
+            if any(n is m for m in skip):
+                continue
             try:
                 st = n.status(timeout_s=timeout_s)
             except (NodeError, NodeUnavailableError, ProtocolError):
@@ -339,15 +341,17 @@ class Cluster:
                 stale.append(n)
         return lost, stale
 
-    def reform(self, nodes: list[NodeClient], sizes: Sequence[int], gpu: Sequence[int]) -> None:
+    def reform(self, nodes: list[NodeClient], sizes: Sequence[int], gpu: Sequence[int],
+               lost: Sequence[NodeClient] = ()) -> None:
         """Deploy the ring again under a new assignment over `nodes` (in ring order) with `sizes` layers per round
         each; the head keeps its windows (so it keeps its model, which every request's context reads), and nodes
-        that leave are asked to free theirs."""
+        that leave, but for the `lost` ones (asking them would only wait out the timeout), are asked to free
+        theirs."""
         ranges = ring_windows([*sizes, self.head_size], self.rounds, self.model.n_layer)
         if [r for r in ranges[-1] if r.n_layers] != [r for r in self.head_ranges if r.n_layers]:
             raise ConfigError(f"a re-formed ring must leave the head its windows {self.head_ranges}, got {ranges[-1]}")
         for n in self.nodes:
-            if all(n is not m for m in nodes):
+            if all(n is not m for m in nodes) and all(n is not m for m in lost):
                 # a lost one frees its windows itself once the head has been silent long enough
                 with contextlib.suppress(NodeError, NodeUnavailableError, ProtocolError):
                     n.unload()

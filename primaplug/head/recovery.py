@@ -190,7 +190,11 @@ class Recovery:
     def _reform(self, why: str, error: BaseException | None) -> Batcher:
         c = self.cluster
         t0 = time.perf_counter()
-        lost, stale = c.survey(min(SURVEY_S, c.settings.timeout_s))
+        # the node the request's watch found silent for the whole timeout is not asked again
+        named = error.node if isinstance(error, NodeUnavailableError) else None
+        gone = [n for n in c.nodes if n.name == named]
+        lost, stale = c.survey(min(SURVEY_S, c.settings.timeout_s), skip=gone)
+        lost = gone + lost
         joined = self._arrivals()
         if not lost and not stale and not joined:
             self.pending = None
@@ -219,7 +223,7 @@ class Recovery:
             plan_s = time.perf_counter() - t0 - survey_s
             old, self.ring = self.ring, _Broken(c.epoch, f"the ring is being re-formed ({what})")
             old.close()  # its steps fail; their sessions find it replaced and wait here for the new ring
-            c.reform(nodes, sizes, gpu)
+            c.reform(nodes, sizes, gpu, lost)
             self.ring = self.open_ring(c)
         except PrimaplugError as e:
             self.failure = f"the ring could not be re-formed after it {what}: {e}"
