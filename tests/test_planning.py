@@ -164,7 +164,6 @@ def _cluster(addresses, gemma_path: Path, timeout_s: float = 2.0):  # noqa: ANN0
 def test_a_node_dying_while_links_are_probed_is_named(gemma_path: Path, tmp_path: Path) -> None:
     import os
     import signal
-    import time
 
     from primaplug.core.errors import NodeUnavailableError
     from primaplug.head.launch import LocalNodes
@@ -180,11 +179,9 @@ def test_a_node_dying_while_links_are_probed_is_named(gemma_path: Path, tmp_path
         cluster._wait_loaded = then_kill
         try:
             cluster.connect()
-            t0 = time.monotonic()
             with pytest.raises(NodeUnavailableError, match="node2") as e:
                 cluster.measure_links()
             assert "link probe" in str(e.value)
-            assert time.monotonic() - t0 < 3 * 2.0 + 2  # the probe's timeout, then one status request per node
             assert cluster.nodes[0].status().state == "idle", "the survivors are left unloaded"
         finally:
             cluster.close()

@@ -149,3 +149,38 @@ def test_a_failing_subscriber_does_not_stop_the_others() -> None:
     stop()
     events.publish(NodeProgress("n2", "connected"))
     assert len(seen) == 1 and set(events.view.nodes) == {"n1", "n2"}
+
+
+def test_a_replay_joins_small_batches_that_follow_on_and_keeps_large_ones() -> None:
+    from primaplug.head.session import coalesce
+
+    prompt = (0, list(range(20)))  # 16 rows or more: as it went (it rounds differently split otherwise)
+    decoded = [(20 + i, [i]) for i in range(17)]  # one token a batch
+    draft = (37, [7, 8, 9])  # a verified draft, then a rewind into it: the next batch starts inside
+    after = (38, [5])
+    got = coalesce([prompt, *decoded, draft, after])
+    assert got == [prompt, (20, list(range(15))), (35, [15, 16, 7, 8, 9]), (38, [5])]
+    assert all(len(b) <= 15 for p, b in got[1:])
+
+
+def test_a_replay_after_decoding_sends_a_trip_per_fifteen_tokens() -> None:
+    session, ring, _ = _session(n_batch=64)
+    session.eval(list(range(20)), 0)
+    for i in range(20, 40):
+        session.eval([i], i)
+    new = FakeRing(epoch=8)
+    session.replay(new)  # type: ignore[arg-type]
+    assert new.held == list(range(40))
+    assert new.calls == [("remove", 0), ("forward", 0, 20), ("forward", 20, 15), ("forward", 35, 5)]
+
+
+def test_after_a_failure_a_call_that_goes_another_way_rebuilds_only_what_it_keeps() -> None:
+    session, ring, _ = _session()
+    session.eval(list(range(10)), 0)
+    ring.fail_next = 1
+    with pytest.raises(NodeUnavailableError):
+        session.eval([10], 10)
+    ring.calls.clear()
+    session.eval([7, 7], 2)  # a new request sharing 2 positions: the batch that held them is replayed, not all 10
+    assert ring.held == [0, 1, 7, 7]
+    assert ring.calls == [("remove", 0), ("forward", 0, 4), ("forward", 2, 2)]

@@ -117,6 +117,11 @@ class Batcher:
     def epoch(self) -> int:
         return self.ring.epoch
 
+    @property
+    def busy(self) -> bool:
+        """Steps are in the ring or waiting: the driver's watch asks the nodes for their status meanwhile."""
+        return bool(self._out or self._waiting)
+
     # --- what sessions call (any thread) ------------------------------------------------------------------------
 
     def forward(self, tokens: Sequence[int] | np.ndarray, pos0: int, *, seq_id: int = 0, all_rows: bool = False,

@@ -286,6 +286,8 @@ class Recovery:
 
     def _beat(self) -> None:
         c = self.cluster
+        if getattr(self.ring, "busy", False):
+            return  # the request's watch asks the nodes now; a beat would hold their sockets a second behind it
         lost, stale = c.survey(min(SURVEY_S, c.settings.timeout_s))
         if lost or stale:
             self.pending = "; ".join(

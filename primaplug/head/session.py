@@ -12,8 +12,9 @@ reuse, speculative decoding's rollback and recovery onto a new ring all go throu
   (engine Window.forward). A rejected draft is rewound for free, in the trip that carries the next one;
 - replay(ring): rebuild the prefix on another ring (a new assignment), then carry on there. The prefix goes round
   in the batches it first went round in (a batch of 16 rows or more rounds differently from the same rows split
-  otherwise, core/settings.py EXACT_BATCH_ROWS), so the rebuilt caches hold the same numbers and the conversation
-  goes on with the tokens it would have had.
+  otherwise, core/settings.py EXACT_BATCH_ROWS), but for runs of smaller ones, joined up to 15 rows (each row of such
+  a batch is computed as alone), so the rebuilt caches hold the same numbers and the conversation goes on with the
+  tokens it would have had.
 
 Failure policy: when a batch or a KV operation fails, the ring's caches are in an unknown state. With a `reform`
 (head/recovery.py), a node's loss or restart re-forms the ring from the devices left (re-plan, deploy under a new
@@ -36,6 +37,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from primaplug.core.errors import NodeError, NodeUnavailableError, PrimaplugError
+from primaplug.core.settings import EXACT_BATCH_ROWS
 from primaplug.head.events import BatchDone, Events, NodeProgress, SessionChanged
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,20 @@ class Reform(Protocol):
 def recoverable(error: BaseException) -> bool:
     """Whether an error may be a lost or restarted node (worth re-forming the ring), not a request's own fault."""
     return isinstance(error, NodeUnavailableError | NodeError)
+
+
+def coalesce(batches: Sequence[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
+    """The batches a replay sends: each batch of EXACT_BATCH_ROWS rows or more as it went; runs of smaller ones that
+    follow on from each other (decoded tokens, verified drafts) joined up to EXACT_BATCH_ROWS rows, which computes
+    every row as it was computed alone (core/settings.py), in one trip instead of one a token."""
+    out: list[tuple[int, list[int]]] = []
+    for p, batch in batches:
+        small = len(batch) <= EXACT_BATCH_ROWS
+        if out and small and out[-1][0] + len(out[-1][1]) == p and len(out[-1][1]) + len(batch) <= EXACT_BATCH_ROWS:
+            out[-1] = (out[-1][0], out[-1][1] + list(batch))
+        else:
+            out.append((p, list(batch)))
+    return out
 
 
 class Session:
@@ -114,8 +130,7 @@ class Session:
         if pos0 > len(self.prefix):
             raise PrimaplugError(f"cannot evaluate from position {pos0}: the ring holds {len(self.prefix)} positions")
         with self._call():
-            self._recover()
-            self.rewind(pos0)
+            self.rewind(pos0)  # and, after a failure, rebuild what comes before pos0
             for i in range(0, len(tokens), self.n_batch):
                 batch = [int(t) for t in tokens[i : i + self.n_batch]]
                 p = pos0 + i
@@ -136,13 +151,13 @@ class Session:
         if pos < 0:
             raise PrimaplugError(f"cannot rewind to position {pos}")
         with self._call():
-            self._recover()
-        if pos >= len(self.prefix):
-            return
-        del self.prefix[pos:]
-        while self.batches and self.batches[-1][0] >= pos:  # a batch partly kept stays: a replay rewinds after it
-            self.batches.pop()
-        self.events.publish(SessionChanged("rewind", pos))
+            self._follow()
+            if pos < len(self.prefix):
+                del self.prefix[pos:]
+                while self.batches and self.batches[-1][0] >= pos:  # one partly kept stays: a replay rewinds after it
+                    self.batches.pop()
+                self.events.publish(SessionChanged("rewind", pos))
+            self._recover()  # after a failure, only what is kept is rebuilt
 
     def clear(self) -> None:
         """Forget the whole conversation, on every device."""
@@ -166,7 +181,7 @@ class Session:
             with self._call():
                 self._stale = False
                 self.clear()
-                for p, batch in batches:
+                for p, batch in coalesce(batches):
                     self.eval(batch, p)
                 self.rewind(len(prefix))
         except BaseException:
