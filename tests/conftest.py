@@ -30,18 +30,8 @@ class TestModel:
 _MODEL_FIXTURES = {"gemma_path", "model_dir", "test_model", "streaming_model"}
 
 
-# the files that take longest (`make test`'s durations), run first: `make test` hands two workers a file at a time
-# in this order (pytest-xdist --dist loadfile), and a long file started last would leave one worker alone at the end
-_LONGEST_FIRST = ("test_ring.py", "test_prompts_and_turns.py", "test_speculative.py", "test_dashboard.py",
-                  "test_exact_windows.py", "test_prefetch_ring.py", "test_recovery.py", "test_cli.py",
-                  "test_parallel.py", "test_serve_faults.py", "test_memory_cgroup.py")
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Put every test on one rung: multiproc (marked by hand), engine, or unit (`pytest -m unit` runs in seconds).
-    The longest files go first."""
-    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the others keep their order
+    """Put every test on one rung: multiproc (marked by hand), engine, or unit (`pytest -m unit` runs in seconds)."""
     for item in items:
         if item.get_closest_marker("multiproc") or item.get_closest_marker("engine"):
             continue
