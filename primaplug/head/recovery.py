@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 
 SURVEY_S = 1.0  # a node's control loop answers at once, even while it computes or loads: silence is an answer
 RETRY_S = 5.0  # after a re-forming failed, the heartbeat waits this long before it tries again
+# a re-forming the heartbeat found needed waits for a moment when no request runs, but no longer than this: under
+# steady load that moment may never come (the requests in flight then replay onto the new ring)
+BOUNDARY_WAIT_S = 5.0
 
 
 @dataclass
@@ -140,6 +143,7 @@ class Recovery:
         self._departed: dict[str, NodeClient] = {}  # address -> a client to a node lost or left, to see it return
         self._lock = threading.RLock()
         self._retry_at = 0.0  # time.monotonic() before which the heartbeat does not try again after a failure
+        self._pending_since = 0.0  # time.monotonic() when `pending` was first set
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, args=(heartbeat_s,), name="primaplug-heartbeat",
                                         daemon=True) if cluster.nodes else None
@@ -197,7 +201,7 @@ class Recovery:
         lost = gone + lost
         joined = self._arrivals()
         if not lost and not stale and not joined:
-            self.pending = None
+            self.pending, self._pending_since = None, 0.0
             if error is None or isinstance(error, NodeUnavailableError) or getattr(error, "code", "") == "lost":
                 # every node answers ready with this assignment: the ring works (a message lost in a short network
                 # drop, or the node that was slow answers again): the same ring, where the session replays
@@ -237,6 +241,7 @@ class Recovery:
         for n in joined:
             self._departed.pop(n.address, None)
         self.pending = self.failure = None
+        self._pending_since = 0.0
         plan = ", ".join(f"{n.name} {s}" for n, s in zip(nodes, sizes, strict=True))
         report = Reformed(f"{what} ({why})", tuple(names), tuple(n.name for n in joined),
                           f"{plan} layers per round, head {c.head_size}, assignment {c.epoch}: {how}", c.epoch,
@@ -286,9 +291,12 @@ class Recovery:
 
     def _beat(self) -> None:
         c = self.cluster
-        if getattr(self.ring, "busy", False):
-            return  # the request's watch asks the nodes now; a beat would hold their sockets a second behind it
-        lost, stale = c.survey(min(SURVEY_S, c.settings.timeout_s))
+        lost: list[NodeClient] = []
+        stale: list[NodeClient] = []
+        # while a request's watch asks the ring's nodes, a beat would hold their sockets a second behind it: it only
+        # looks outside the ring then
+        if not getattr(self.ring, "busy", False):
+            lost, stale = c.survey(min(SURVEY_S, c.settings.timeout_s))
         if lost or stale:
             self.pending = "; ".join(
                 [f"{n} does not answer" for n in lost] + [f"{n} answers without this ring's windows" for n in stale])
@@ -297,7 +305,12 @@ class Recovery:
                     if a not in {n.address for n in c.nodes} and self._answers(a)]
             if back:
                 self.pending = f"{', '.join(back)} answer{'s' if len(back) == 1 else ''}"
-        if self.pending is not None and self.idle() and time.monotonic() >= self._retry_at:
+        now = time.monotonic()
+        if self.pending is None:
+            return
+        if not self._pending_since:
+            self._pending_since = now
+        if (self.idle() or now - self._pending_since > BOUNDARY_WAIT_S) and now >= self._retry_at:
             self._try(self.pending)
 
     def _answers(self, address: str) -> bool:
