@@ -359,18 +359,6 @@ class Cluster:
         self.epoch = max(int(time.time() * 1000), self.epoch + 1)
         self.deploy()
 
-    def problem(self, timeout_s: float) -> str | None:
-        """None when every node answers ready with this assignment; else what is wrong, in a sentence."""
-        for n in self.nodes:
-            try:
-                st = n.status(timeout_s=timeout_s)
-            except (NodeError, NodeUnavailableError, ProtocolError) as e:
-                return f"node {n} does not answer: {e}"
-            if st.state != "ready" or st.epoch != self.epoch:
-                return (f"node {n} is {st.state} with assignment {st.epoch}, not {self.epoch}"
-                        f"{': ' + st.message if st.message else ''} (did it restart? the ring must be deployed again)")
-        return None
-
     def metrics(self) -> None:
         """Ask every node for its detailed status and publish it (NodeMetrics)."""
         for n in self.nodes:

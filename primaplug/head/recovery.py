@@ -270,8 +270,7 @@ class Recovery:
                     n.close()
                 continue
             if c.model.identity in {m.identity for m in w.models}:
-                self._departed.pop(a, None)
-                found.append(n)
+                found.append(n)  # it leaves _departed once the ring it joins is deployed
             elif a not in self._departed:
                 n.close()
         return found
