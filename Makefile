@@ -3,17 +3,17 @@
 #   make test   run the test suite
 # Both set everything up first: a virtual environment in .venv, the patched engine (built once and cached,
 # see scripts/build_engine.py), and primaplug itself.
-#   GPU=cuda|metal  build the engine for a GPU backend (default: $PRIMAPLUG_GPU, else cpu)
+#   GPU=cpu|cuda|metal  the engine's backend (default: $PRIMAPLUG_GPU, else metal on Apple silicon, else cpu)
 #   PYTHON=...      the Python (3.11+) that creates .venv
 
 PYTHON ?= python3
 VENV   ?= .venv
-GPU    ?= $(or $(PRIMAPLUG_GPU),cpu)
+GPU    ?= $(PRIMAPLUG_GPU)
 PY     := $(VENV)/bin/python
 PROMPT ?= The three primary colors are
 STAMP  := $(VENV)/.primaplug-installed
 
-.PHONY: run plan test setup engine bench bench-testbed clean
+.PHONY: run plan test test-slow setup engine bench bench-testbed clean
 
 run: setup
 	$(PY) -m primaplug run --local-nodes 3 --scheduler even -p "$(PROMPT)" -n 48 --verify
@@ -22,10 +22,14 @@ plan: setup
 	$(PY) -m primaplug plan --local-nodes 3
 
 # the 20 slowest tests are listed at the end, to keep the suite inside its budget (15 minutes on a cold cache).
-# Two workers, a test file each at a time (pytest-xdist): much of the suite waits (nodes starting, a lost node's
-# timeout, heartbeats), so two files at once take 10.5 minutes on 2 cores where one at a time took 13.6
+# Two workers, a test file each at a time (pytest-xdist), the compute-bound files never two at once
+# (tests/conftest.py, COMPUTE_BOUND): much of the suite waits (nodes starting, a lost node's timeout, heartbeats).
+# The slow rung (the Docker image, minutes) is left out: `make test-slow` runs it.
 test: setup
-	$(PY) -m pytest -n 2 --dist loadfile --durations=20
+	$(PY) -m pytest -n 2 --dist loadgroup -m "not slow" --durations=20
+
+test-slow: setup
+	$(PY) -m pytest -m slow -v -rs
 
 setup: engine $(STAMP)
 
@@ -35,9 +39,10 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 engine: $(PY)
-	$(PY) scripts/build_engine.py --gpu $(GPU)
+	$(PY) scripts/build_engine.py $(if $(GPU),--gpu $(GPU))
 
-# primaplug and its dependencies; the engine is installed first so that pip finds its pin satisfied
+# primaplug and its dependencies (llama-cpp-python is not one of them: the engine above is primaplug's build of it,
+# installed first so that its first use finds it)
 $(STAMP): pyproject.toml | engine
 	$(PY) -m pip install -q -e '.[test,dashboard]'
 	touch $(STAMP)

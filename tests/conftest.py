@@ -30,9 +30,22 @@ class TestModel:
 _MODEL_FIXTURES = {"gemma_path", "model_dir", "test_model", "streaming_model"}
 
 
+# Test files that keep both cores computing (real models decoding in this process or in rings of nodes). Under
+# `make test`'s two workers (--dist loadgroup) they form one group, so they never run two at a time, each beside
+# files that mostly wait (nodes starting, timeouts, heartbeats); every other file is a group of its own.
+COMPUTE_BOUND = {
+    "test_ring.py", "test_speculative.py", "test_exact_windows.py", "test_prompts_and_turns.py",
+    "test_windows_match_llama.py", "test_parallel.py", "test_prefetch_ring.py", "test_batch_rounding.py",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Put every test on one rung: multiproc (marked by hand), engine, or unit (`pytest -m unit` runs in seconds)."""
+    """Put every test on one rung: multiproc (marked by hand), engine, or unit (`pytest -m unit` runs in seconds);
+    and in its file's xdist group, or the compute-bound group."""
     for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("compute-bound" if name in COMPUTE_BOUND else name))
         if item.get_closest_marker("multiproc") or item.get_closest_marker("engine"):
             continue
         uses = set(getattr(item, "fixturenames", ()))

@@ -1,36 +1,57 @@
-"""The engine build: cache keys, patch failures that name the patch and hunk, no rebuild when nothing changed."""
+"""The engine build (primaplug/engine/build.py, through scripts/build_engine.py): cache keys, the engine's version
+label, patch failures that name the patch and hunk, no rebuild when nothing changed, --no-install, and primaplug's
+own wheel, which carries the patches and never depends on llama-cpp-python."""
 
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
+import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def build():
-    spec = importlib.util.spec_from_file_location("build_engine", ROOT / "scripts" / "build_engine.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """primaplug/engine/build.py as scripts/build_engine.py loads it: by path, through nothing of primaplug."""
+    spec = importlib.util.spec_from_file_location("build_engine_script", ROOT / "scripts" / "build_engine.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.load_build()
 
 
 def test_installed_engine_is_the_current_build(build) -> None:
     """What `make test` installed is the build of the current patches, so running it again rebuilds nothing."""
-    key = build.build_key("cpu")
-    assert build.installed_version(sys.executable) == f"{build.VERSION}+primaplug.{key}"
-    assert build.main(["--gpu", "cpu"]) == 0  # finds it installed and returns at once
+    found = build.inspect_version(build.installed_version(sys.executable))
+    assert found.ready, found.problem
+    if found.key == build.build_key("cpu"):
+        assert build.main(["--gpu", "cpu"]) == 0  # finds it installed and returns at once
+
+
+def test_the_script_needs_only_the_standard_library(build) -> None:
+    """Without site-packages (python -S) the script still runs: it is what installs everything else."""
+    r = subprocess.run([sys.executable, "-S", "-I", str(ROOT / "scripts" / "build_engine.py"), "--gpu", "cpu",
+                        "--print-key"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == build.build_key("cpu")
+    r = subprocess.run([sys.executable, "-S", "-I", str(ROOT / "scripts" / "build_engine.py"), "--help"],
+                       capture_output=True, text=True)
+    assert "--no-install" in r.stdout and "--wheel-dir" in r.stdout
 
 
 def test_key_follows_flags_and_patches(build, monkeypatch, tmp_path) -> None:
     cpu, cuda = build.build_key("cpu"), build.build_key("cuda")
+    digest = build.patch_digest()
     assert cpu != cuda and cpu == build.build_key("cpu")
     monkeypatch.setenv("PRIMAPLUG_CMAKE_ARGS", "-DGGML_AVX512=OFF")
     assert build.build_key("cpu") != cpu
+    assert build.patch_digest() == digest  # the flags are not the source
     monkeypatch.delenv("PRIMAPLUG_CMAKE_ARGS")
     patches = tmp_path / "patches"
     patches.mkdir()
@@ -38,10 +59,101 @@ def test_key_follows_flags_and_patches(build, monkeypatch, tmp_path) -> None:
         (patches / p.name).write_bytes(p.read_bytes())
     (patches / "series").write_text((build.PATCHES / "series").read_text())
     monkeypatch.setattr(build, "PATCHES", patches)
-    assert build.build_key("cpu") == cpu
+    assert build.build_key("cpu") == cpu and build.patch_digest() == digest
     first = build.patch_files()[0]
     first.write_text(first.read_text() + "\n")
     assert build.build_key("cpu") != cpu
+    assert build.patch_digest() != digest
+
+
+def test_label_says_which_patches_and_any_backend_is_accepted(build, monkeypatch, tmp_path) -> None:
+    for gpu in build.GPU_FLAGS:
+        label = build.engine_label(gpu, build.build_key(gpu))
+        assert str(Version(label)) == label  # the wheel's metadata keeps it as written
+        found = build.inspect_version(label)
+        assert found.ready and found.gpu == gpu and found.problem == ""
+    # a CUDA build with flags this process does not have (its key is not ours) is still of the current patches
+    assert build.inspect_version(build.engine_label("cuda", "0123456789abcdef")).ready
+    # engines labelled before the label carried the patches: accepted when their key is one of this machine's
+    assert build.inspect_version(f"{build.VERSION}+primaplug.{build.build_key('cpu')}").ready
+    legacy = build.inspect_version(f"{build.VERSION}+primaplug.0123456789abcdef")
+    assert not legacy.ready and "other patches" in legacy.problem
+
+    missing = build.inspect_version(None)
+    assert not missing.ready and "not installed" in missing.problem
+    for other in (build.VERSION, "0.3.35", "0.3.36+cu124", "0.3.35+primaplug.cpu.p0123456789ab.k0123456789abcdef"):
+        found = build.inspect_version(other)
+        assert not found.ready and "not primaplug's patched build" in found.problem, other
+
+    label = build.engine_label("cpu", build.build_key("cpu"))
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    (patches / "series").write_text("0001-a.patch\n")
+    (patches / "0001-a.patch").write_text("--- a/x\n+++ b/x\n")
+    monkeypatch.setattr(build, "PATCHES", patches)
+    found = build.inspect_version(label)
+    assert not found.ready and "other patches" in found.problem
+
+
+def test_default_gpu(build, monkeypatch) -> None:
+    monkeypatch.setenv("PRIMAPLUG_GPU", "cuda")
+    assert build.default_gpu() == "cuda"
+    monkeypatch.setenv("PRIMAPLUG_GPU", "vulkan")
+    with pytest.raises(build.BuildError, match="PRIMAPLUG_GPU=vulkan"):
+        build.default_gpu()
+    monkeypatch.delenv("PRIMAPLUG_GPU")
+    monkeypatch.setattr(build.sys, "platform", "darwin")
+    monkeypatch.setattr(build.platform, "machine", lambda: "arm64")
+    assert build.default_gpu() == "metal"
+    monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
+    assert build.default_gpu() == "cpu"
+
+
+@pytest.mark.parametrize("env", ["PRIMAPLUG_CACHE", "XDG_CACHE_HOME", None])
+def test_the_cache_is_core_settings_and_status_says_where_it_comes_from(build, monkeypatch, tmp_path, capsys,
+                                                                       env) -> None:
+    """build.py repeats core.settings.cache_root's rule (it cannot import it): the two give the same folder, and
+    `primaplug engine status` names the variable it came from, or says it is the default."""
+    from primaplug.cli import engine as engine_cli
+    from primaplug.core.settings import cache_root
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for name in ("PRIMAPLUG_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    if env:
+        monkeypatch.setenv(env, str(tmp_path / env))
+    folder, origin = build.cache_location()
+    assert folder == cache_root() == {"PRIMAPLUG_CACHE": tmp_path / "PRIMAPLUG_CACHE",
+                                      "XDG_CACHE_HOME": tmp_path / "XDG_CACHE_HOME" / "primaplug",
+                                      None: tmp_path / "home" / ".cache" / "primaplug"}[env]
+    assert origin.startswith({"PRIMAPLUG_CACHE": "$PRIMAPLUG_CACHE", "XDG_CACHE_HOME": "$XDG_CACHE_HOME/primaplug",
+                              None: "the default"}[env])
+    engine_cli.status()
+    assert f"cache:    {folder} ({origin})" in capsys.readouterr().out
+
+
+def test_no_install_copies_the_cached_wheel(build, tmp_path, capsys) -> None:
+    """--no-install --wheel-dir: the wheel of this machine's key (cached by `make setup`), nothing installed."""
+    key = build.build_key("cpu")
+    if build.cached_wheel(key) is None:
+        pytest.skip(f"no cached CPU wheel for key {key} in {build.cache_dir()} (make setup caches it)")
+    before = build.installed_version(sys.executable)
+    assert build.main(["--gpu", "cpu", "--no-install", "--wheel-dir", str(tmp_path)]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == [build.cached_wheel(key).name]
+    assert "not installed" in capsys.readouterr().out
+    assert build.installed_version(sys.executable) == before
+
+
+def test_missing_tools_stop_the_build_before_it_starts(build, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PRIMAPLUG_CACHE", str(tmp_path / "cache"))  # no cached wheel
+    missing = build.missing_tools()
+    assert missing[:2] == ["patch", "cmake"] and len(missing) == 4
+    with pytest.raises(build.BuildError, match="needs patch, cmake, a C compiler"):
+        build.build_engine(sys.executable, "cpu", install_it=False)
+    assert not (tmp_path / "cache" / "sdist").exists()  # nothing downloaded
 
 
 def test_patch_that_no_longer_applies_names_patch_and_hunk(build, tmp_path) -> None:
@@ -64,3 +176,37 @@ def test_progress_parsing(build) -> None:
     assert build.build_percent("  [41/83] /usr/bin/g++ -c x.cpp") == 49
     assert build.build_percent("[ 14%] Building CXX object") == 14
     assert build.build_percent("-- Configuring done") is None
+
+
+def test_primaplug_never_depends_on_llama_cpp_python() -> None:
+    """pip must never install (or build) PyPI's unpatched llama-cpp-python for primaplug, extras included; the
+    engine's own runtime dependencies and its server's are listed instead."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+    assert not [r for r in requirements if r.lower().replace("_", "-").startswith("llama-cpp-python")]
+    names = {r.split(">")[0].split("=")[0].split("<")[0].split(";")[0].strip().lower() for r in requirements}
+    assert {"numpy", "jinja2", "diskcache", "typing-extensions"} <= names  # llama-cpp-python's own
+    assert {"uvicorn", "fastapi", "pydantic-settings", "sse-starlette", "starlette-context", "pyyaml"} <= names
+
+
+def test_the_wheel_carries_the_patches(tmp_path) -> None:
+    """primaplug's wheel has patches/ as primaplug/engine/patches, which build.py finds there once installed."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        (src / name).write_bytes((ROOT / name).read_bytes())
+    for folder in ("patches", "primaplug"):
+        subprocess.run(["cp", "-r", str(ROOT / folder), str(src / folder)], check=True)
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"),
+                        str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (wheel,) = (tmp_path / "dist").glob("primaplug-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        metadata = next(z.read(n).decode() for n in names if n.endswith(".dist-info/METADATA"))
+    series = [ln.strip() for ln in (ROOT / "patches" / "series").read_text().splitlines()
+              if ln.strip() and not ln.startswith("#")]
+    assert {f"primaplug/engine/patches/{n}" for n in [*series, "series"]} <= names
+    assert "primaplug/engine/build.py" in names and "primaplug/engine/ensure.py" in names
+    requires = [ln for ln in metadata.splitlines() if ln.startswith("Requires-Dist:")]
+    assert requires and not [r for r in requires if "llama-cpp-python" in r.lower().replace("_", "-")]

@@ -12,7 +12,7 @@ import pytest
 
 from tests.ring_helpers import LLAMA_KWARGS, greedy_scores
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+pytestmark = pytest.mark.multiproc
 
 MiB = 1 << 20
 WEIGHTS_FRACTION = 0.6  # of one window: what the cap leaves for weights

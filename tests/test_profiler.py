@@ -6,8 +6,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+import platform
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -16,7 +18,7 @@ import pytest
 from primaplug.core.errors import EngineError
 from primaplug.core.profiles import QUANT_TYPES, DeviceProfile
 from primaplug.engine import ContextSettings, Model, read_layout
-from primaplug.memory import resident_bytes
+from primaplug.memory import android, darwin, resident_bytes, system
 from primaplug.profiler import cache, compute, device, gpu, osinfo, throughput
 from primaplug.profiler.model import (
     compute_buffer_layers_bytes,
@@ -137,11 +139,14 @@ def _reader(files: dict[str, str]):
     return files.get
 
 
+# The Linux reading is the node's own (memory/system.py: linux_view), which the profile reports (read_memory)
+LINUX_TOTAL, LINUX_AVAILABLE = 24684096 * KiB, 24245044 * KiB  # MEMINFO's MemTotal and MemAvailable
+
+
 def test_linux_memory_without_cgroup_limit() -> None:
     files = {"/sys/fs/cgroup/memory/process_api/node1/memory.limit_in_bytes": "9223372036854771712\n"}
-    m = osinfo.linux_memory(MEMINFO, V1_CGROUP, _reader(files))
-    assert (m.total_bytes, m.available_bytes, m.source) == (24684096 * KiB, 24245044 * KiB, "meminfo")
-    assert m.swap_can_bytes == m.swap_free_bytes == 0
+    m = system.linux_view(LINUX_TOTAL, LINUX_AVAILABLE, V1_CGROUP, _reader(files))
+    assert (m.total_bytes, m.available_bytes, m.source) == (LINUX_TOTAL, LINUX_AVAILABLE, "system")
 
 
 def test_cgroup_v1_limit_on_a_parent() -> None:
@@ -152,7 +157,7 @@ def test_cgroup_v1_limit_on_a_parent() -> None:
         f"{base}/memory.usage_in_bytes": str(GiB),
         f"{base}/memory.stat": f"cache 300\ntotal_inactive_file {256 << 20}\n",
     }
-    m = osinfo.linux_memory(MEMINFO, V1_CGROUP, _reader(files))
+    m = system.linux_view(LINUX_TOTAL, LINUX_AVAILABLE, V1_CGROUP, _reader(files))
     # the working set is usage less inactive page cache: 1 GiB - 256 MiB
     assert (m.total_bytes, m.available_bytes, m.source) == (2 * GiB, GiB + (256 << 20), "cgroup v1")
 
@@ -162,30 +167,62 @@ def test_cgroup_v2_limit() -> None:
     files = {f"{base}/memory.max": f"{4 * GiB}\n", f"{base}/memory.current": f"{3 * GiB}\n",
              f"{base}/memory.stat": f"anon 1000\ninactive_file {GiB}\n",
              "/sys/fs/cgroup/system.slice/memory.max": "max"}
-    m = osinfo.linux_memory(MEMINFO, V2_CGROUP, _reader(files))
+    m = system.linux_view(LINUX_TOTAL, LINUX_AVAILABLE, V2_CGROUP, _reader(files))
     assert (m.total_bytes, m.available_bytes, m.source) == (4 * GiB, 2 * GiB, "cgroup v2")
     # a limit that leaves more than the machine has available is bounded by MemAvailable
     files[f"{base}/memory.max"] = str(23 * GiB)
     files[f"{base}/memory.current"] = "0"
-    assert osinfo.linux_memory(MEMINFO, V2_CGROUP, _reader(files)).available_bytes == 24245044 * KiB
+    assert system.linux_view(LINUX_TOTAL, LINUX_AVAILABLE, V2_CGROUP, _reader(files)).available_bytes == \
+        LINUX_AVAILABLE
     # "max" everywhere: no limit
     files[f"{base}/memory.max"] = "max\n"
-    assert osinfo.linux_memory(MEMINFO, V2_CGROUP, _reader(files)).source == "meminfo"
+    assert system.linux_view(LINUX_TOTAL, LINUX_AVAILABLE, V2_CGROUP, _reader(files)).source == "system"
 
 
-def test_android_memory_and_detection() -> None:
-    m = osinfo.android_memory(ANDROID_MEMINFO)
-    assert m.available_bytes == 2411224 * KiB
-    assert m.swap_can_bytes == (1953280 + 1210544 - 163840) * KiB
-    assert m.swap_free_bytes == 1835004 * KiB
-    assert osinfo.detect_os("Linux", {"PREFIX": "/data/data/com.termux/files/usr"}, False) == "android"
-    assert osinfo.detect_os("Linux", {"TERMUX_VERSION": "0.118"}, False) == "android"
-    assert osinfo.detect_os("Linux", {}, True) == "android"
-    assert osinfo.detect_os("Android", {}, False) == "android"
-    assert osinfo.detect_os("Linux", {"PREFIX": "/usr"}, False) == "linux"
-    assert osinfo.detect_os("Darwin", {}, False) == "macos"
+def test_android_memory_and_detection(monkeypatch) -> None:
+    assert osinfo.android_swap(ANDROID_MEMINFO) == ((1953280 + 1210544 - 163840) * KiB, 1835004 * KiB)
+    assert osinfo.android_swap("Active(anon): 10 kB\nMlocked: 20 kB\n") == (0, 0)  # all locked, no swap line
+    # available is the node's: MemAvailable less Android's low-memory line (memory/android.py)
+    levels = android.default_levels(7662632 * KiB, True)
+    view = android.android_view(ANDROID_MEMINFO, levels)
+    assert view.available_bytes == 2411224 * KiB - levels.low_memory_bytes() and view.source == "android"
+    # which OS: the node's rules (memory/system.py), Termux and Android's own marks told from Linux
+    assert system.detect_os("linux", "Linux", {"PREFIX": "/data/data/com.termux/files/usr"}, False) == "android"
+    assert system.detect_os("linux", "Linux", {"TERMUX_VERSION": "0.118"}, False) == "android"
+    assert system.detect_os("linux", "Linux", {}, True) == "android"
+    assert system.detect_os("android", "Android", {}, False) == "android"
+    assert system.detect_os("linux", "Linux", {"PREFIX": "/usr"}, False) == "linux"
+    assert system.detect_os("darwin", "Darwin", {}, False) == "macos"
+    # the profiler refuses an OS Halda does not model
+    monkeypatch.setattr(sys, "platform", "win32")
+    monkeypatch.setattr(platform, "system", lambda: "Windows")
     with pytest.raises(OSError, match="Windows"):
-        osinfo.detect_os("Windows", {}, False)
+        osinfo.current_os()
+    monkeypatch.setattr(sys, "platform", "android")  # Python 3.13+ on a phone
+    monkeypatch.setattr(platform, "system", lambda: "Android")
+    assert osinfo.current_os() == "android"
+
+
+def test_the_profile_reports_the_memory_the_node_budgets(monkeypatch) -> None:
+    """read_memory hands on memory_view's figures for the OS asked, and adds Android's swap figures."""
+    asked = []
+
+    def view(os_name=None):
+        asked.append(os_name)
+        return system.MemoryView(8 * GiB, 3 * GiB, "android" if os_name == "android" else "cgroup v2", note="n")
+
+    monkeypatch.setattr(osinfo, "memory_view", view)
+    monkeypatch.setattr(osinfo, "read_file", {"/proc/meminfo": ANDROID_MEMINFO}.get)
+    assert osinfo.read_memory("android") == osinfo.MemoryReading(
+        8 * GiB, 3 * GiB, "android", (1953280 + 1210544 - 163840) * KiB, 1835004 * KiB)
+    assert osinfo.read_memory("linux") == osinfo.MemoryReading(8 * GiB, 3 * GiB, "cgroup v2")
+    assert asked == ["android", "linux"]
+
+
+def test_this_machines_profile_memory_is_its_nodes() -> None:
+    m, view = osinfo.read_memory(osinfo.current_os()), system.memory_view()
+    assert (m.total_bytes, m.source) == (view.total_bytes, view.source)
+    assert abs(m.available_bytes - view.available_bytes) < 256 << 20  # moments apart
 
 
 VM_STAT = """Mach Virtual Memory Statistics: (page size of 16384 bytes)
@@ -201,9 +238,12 @@ Pages stored in compressor:              593318.
 """
 
 
-def test_macos_memory_and_metal_working_set() -> None:
-    m = osinfo.macos_memory(VM_STAT, 16 * GiB)
-    assert m.available_bytes == (12002 + 290547 + 18208 + 8915) * 16384 and m.source == "vm_stat"
+def test_macos_memory_and_metal_working_set(monkeypatch) -> None:
+    # the node's macOS rule (memory/darwin.py), vm_stat run by it: free + speculative + purgeable pages where
+    # vm_stat prints no file-backed count; inactive pages (other programs' anonymous memory) are not available
+    monkeypatch.setattr(darwin, "run_command", lambda argv: VM_STAT if argv == ["vm_stat"] else "1\n")
+    m = osinfo.read_memory("macos")
+    assert m.available_bytes == (12002 + 8915 + 18208) * 16384 and m.source == "macos"
     assert osinfo.metal_working_set(16 * GiB) == 16 * GiB * 2 // 3
     assert osinfo.metal_working_set(64 * GiB) == 48 * GiB
     logged = ["ggml_metal_device_init: recommendedMaxWorkingSetSize  = 11453.25 MB"]
@@ -471,7 +511,6 @@ def test_disk_reads_leave_the_file_uncached(tmp_path) -> None:
 # --- the real thing ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_profile_this_machine(calibration_dir) -> None:
     p = device.profile_device("ci", cache_dir=calibration_dir)
     assert isinstance(p, DeviceProfile) and p.os == "linux" and p.backend == "cpu" and p.cpu_count >= 1

@@ -1,5 +1,6 @@
 """How a re-formed ring's windows are chosen, as pure logic: a split by hand keeps each node's share by address,
-a new node gets the mean share, the head keeps its windows, and a ring with nobody left says what is short."""
+a new node gets the mean share (and the -ngl every node was given), the head keeps its windows, and a ring with
+nobody left says what is short."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from primaplug.core.errors import PrimaplugError
+from primaplug.core.errors import NodeError, PrimaplugError
 from primaplug.head.recovery import Replanner
 
 
@@ -15,8 +16,13 @@ def _cluster(n_layer: int = 18, rounds: int = 1, head: int = 0) -> SimpleNamespa
     return SimpleNamespace(model=SimpleNamespace(n_layer=n_layer), rounds=rounds, head_size=head)
 
 
+class _Node(SimpleNamespace):
+    def __str__(self) -> str:  # as a NodeClient names itself in its NodeErrors, when its name is its address
+        return self.name
+
+
 def _node(address: str) -> SimpleNamespace:
-    return SimpleNamespace(address=address, name=address)
+    return _Node(address=address, name=address)
 
 
 def test_a_split_by_hand_is_rescaled_to_the_nodes_left_by_their_shares() -> None:
@@ -43,3 +49,25 @@ def test_more_nodes_than_layers_leaves_the_last_ones_out() -> None:
 def test_no_node_left_says_which_layers_nobody_holds() -> None:
     with pytest.raises(PrimaplugError, match=r"no node is left to run the layers the head does not hold \(12 of 18\)"):
         Replanner(by_hand={"a": 6}).split(_cluster(head=2, rounds=3), [])
+
+
+def test_a_node_that_joins_gets_the_gpu_layers_every_node_was_given() -> None:
+    r = Replanner(by_hand={"a": 6, "b": 6, "c": 6}, gpu={"a": 4, "b": 4, "c": 4})  # -ngl 4 for every node
+    nodes, sizes, gpu, _ = r.split(_cluster(n_layer=18), [_node("a"), _node("new"), _node("c")])
+    assert sizes == [6, 6, 6] and gpu == [4, 4, 4]
+    _, sizes, gpu, _ = r.split(_cluster(n_layer=18, rounds=3), [_node("a"), _node("new"), _node("c")])
+    assert sizes == [2, 2, 2] and gpu == [2, 2, 2]  # clipped to its windows, like every node's
+
+    # one that refuses them (no GPU backend) or fails to load them gets none from the next split on
+    assert not r.refused(NodeError("a", "bad_assignment", "no GPU backend"))  # not a joiner: nothing changes
+    assert not r.refused(NodeError("new", "busy", "a load is already running"))
+    assert r.refused(NodeError("new", "bad_assignment", "this node's engine has no GPU backend"))
+    _, _, gpu, _ = r.split(_cluster(n_layer=18), [_node("a"), _node("new"), _node("c")])
+    assert gpu == [4, 0, 4]
+    assert not r.refused(NodeError("new", "bad_assignment", "a context too large"))  # it was given none
+
+    # counts per node that differ name none for a node that joins; no -ngl gives none
+    r = Replanner(by_hand={"a": 6, "b": 6}, gpu={"a": 4, "b": 9})
+    assert r.split(_cluster(n_layer=18), [_node("a"), _node("new")])[2] == [4, 0]
+    r = Replanner(by_hand={"a": 6, "b": 6}, gpu={"a": 0, "b": 0})
+    assert r.split(_cluster(n_layer=18), [_node("a"), _node("new")])[2] == [0, 0]

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from primaplug.core import PlacementInfeasibleError
+from primaplug.core import ConfigError, PlacementInfeasibleError
 from primaplug.core.profiles import DeviceProfile, ModelProfile
 from primaplug.scheduler import solve
 from primaplug.scheduler.baselines import compute_proportional, memory_proportional
@@ -288,3 +288,15 @@ def test_bad_requests() -> None:
 def test_importing_the_scheduler_loads_no_solver() -> None:
     code = "import sys, primaplug.scheduler; assert 'highspy' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_halda_without_highspy_says_how_to_plan_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Termux leaves highspy out (pyproject's marker): planning with Halda says what to install or use instead,
+    and the schedulers that need no solver still plan."""
+    monkeypatch.setitem(sys.modules, "highspy", None)  # `import highspy` now raises ModuleNotFoundError
+    devices = [device("head"), device("n1")]
+    with pytest.raises(ConfigError, match=r"Halda .* needs highspy, .* is not installed here: `pip install highspy`, "
+                                          r"or plan with `--scheduler even\|memory\|compute` or `--layers`") as raised:
+        solve(devices, model())
+    assert isinstance(raised.value.__cause__, ModuleNotFoundError)
+    assert solve(devices, model(), scheduler="memory").scheduler == "memory"

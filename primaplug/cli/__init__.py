@@ -7,10 +7,10 @@ import argparse
 import logging
 import sys
 
-from primaplug.cli import dashboard, keygen, layout, node, plan, run, serve, synth
+from primaplug.cli import dashboard, engine, health, keygen, layout, node, plan, run, serve, synth
 from primaplug.core import PrimaplugError
 
-COMMANDS = (run, serve, dashboard, plan, node, keygen, synth, layout)
+COMMANDS = (run, serve, dashboard, plan, node, health, keygen, synth, layout, engine)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -94,7 +94,8 @@ def ring_flags(p: argparse.ArgumentParser, *, deploys: bool = True, ctx_size: in
                        help="compute threads of each node (default: all its cores)")
         p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
                        help="layers of each node window to run on that node's GPU, with --layers or --scheduler "
-                            "even (default 0; the other schedulers choose GPU layers from each device's profile)")
+                            "even; without nodes, of each of the head's windows on this device's GPU (default 0; "
+                            "the other schedulers choose GPU layers from each device's profile)")
     if deploys:
         draft_flags(p)
     p.add_argument("--keys", help="cluster key file (primaplug keygen); needed for nodes off this machine")

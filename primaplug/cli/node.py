@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from primaplug.core.settings import DEFAULT_PORT, HEAD_SILENCE_S
+from primaplug.core.settings import DEFAULT_PORT, DEFAULT_WAKE_LOCK, HEAD_SILENCE_S, WAKE_LOCK_MODES
 
 DESCRIPTION = f"""\
 Run a node: it holds windows of the models given with -m and serves them to whichever head deploys an assignment.
@@ -47,6 +47,10 @@ def add_parser(sub: Any) -> None:
                       "auto when the threads use every core (default)")
     node.add_argument("--profile-dir", help="where this device's measured profile is cached "
                       "(default ~/.cache/primaplug/profiles; give each emulated device its own)")
+    node.add_argument("--wake-lock", choices=WAKE_LOCK_MODES, default=DEFAULT_WAKE_LOCK,
+                      help="hold Termux's wake lock (termux-wake-lock) while the node runs, so that Android does not "
+                      "suspend it with the screen off: on, off, or auto: on under Termux (default "
+                      f"{DEFAULT_WAKE_LOCK}; docs/platforms.md)")
     node.add_argument("--release-after", type=float, default=HEAD_SILENCE_S, metavar="SECONDS",
                       help="free the loaded windows after this long without a word from any head (it has gone), "
                       f"and go idle until one deploys again; 0: never (default {HEAD_SILENCE_S:g})")
@@ -63,6 +67,7 @@ def main(args: argparse.Namespace) -> int:
     from primaplug.device import MemorySettings
     from primaplug.memory.prefetcher import Switches
     from primaplug.node import Node, NodeSettings
+    from primaplug.node.wakelock import WakeLock
     from primaplug.transport import ZmqTransport, load_keys, split_address
 
     if not args.verbose:  # say what the node does (loads, refusals), not each message
@@ -86,13 +91,14 @@ def main(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, lambda *_: node.stop())
         ring = node.ring.address
         ctl_host, _, ctl_port = node.control.address.rpartition(":")
-        print(f"primaplug node {node.name} ready: control {ctl_host}:{ctl_port} ring {ring}", flush=True)
-        advertiser = _advertise(args, node.name, host, int(ctl_port), ring, keys) if args.advertise else None
-        try:
-            node.serve()
-        finally:
-            if advertiser is not None:
-                advertiser.close()
+        with WakeLock(args.wake_lock):  # before "ready": a required lock that fails stops the node first
+            print(f"primaplug node {node.name} ready: control {ctl_host}:{ctl_port} ring {ring}", flush=True)
+            advertiser = _advertise(args, node.name, host, int(ctl_port), ring, keys) if args.advertise else None
+            try:
+                node.serve()
+            finally:
+                if advertiser is not None:
+                    advertiser.close()
     finally:
         transport.close()
     return 0

@@ -27,6 +27,10 @@ HEAD_SILENCE_S = 300.0
 # went silent or came back is noticed between requests, and a node knows its head is still there.
 HEARTBEAT_S = 1.0
 DEFAULT_PORT = 7000  # a node's control port; its ring listens on the next one
+# `primaplug node --wake-lock` (node/wakelock.py; docs/platforms.md): hold Termux's wake lock while the node runs.
+# auto: under Termux only, going on without it when it cannot be had; on: required; off: never.
+WAKE_LOCK_MODES = ("auto", "on", "off")
+DEFAULT_WAKE_LOCK = "auto"
 # Discovery (`node --advertise`, `--nodes auto`; docs/discovery.md). mDNS answers come within a fraction of a
 # second; DISCOVER_S leaves room for a busy Wi-Fi. A node found proves it holds the cluster key by answering a Hello
 # over CurveZMQ within PROVE_TIMEOUT_S (one with another key never answers); one that failed is asked again after
@@ -85,7 +89,9 @@ def head_threads(n_threads: int, has_nodes: bool) -> int:
 
 def cache_root() -> Path:
     """Where primaplug keeps what it writes once and reuses (device profiles, repacked copies of models):
-    $PRIMAPLUG_CACHE, else $XDG_CACHE_HOME/primaplug, else ~/.cache/primaplug. The engine build uses the same."""
+    $PRIMAPLUG_CACHE, else $XDG_CACHE_HOME/primaplug, else ~/.cache/primaplug. The engine build keeps its sdist,
+    wheels and logs there too, by the same rule written again in engine/build.py (cache_location), which must run
+    before anything is installed; tests/test_build_engine.py holds the two equal."""
     base = os.environ.get("PRIMAPLUG_CACHE")
     if base:
         return Path(base)

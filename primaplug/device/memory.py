@@ -3,9 +3,11 @@ stream. One rule for nodes and the head."""
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from primaplug.core.budget import MARGIN
+from primaplug.core.errors import WindowRangeError
 from primaplug.core.windows import LayerRange
 from primaplug.engine import ModelLayout
 from primaplug.memory.policy import PrefetchPlan, plan_prefetch
@@ -29,6 +31,22 @@ class MemoryPlan:
         return self.prefetch.describe()
 
 
+def cpu_parts(windows: Sequence[LayerRange], gpu_layers: Collection[int]) -> list[LayerRange]:
+    """Each window's layers that run on the CPU: what it takes of the device's RAM. llama.cpp holds a GPU layer's
+    weights and KV cache (offload_kqv) in VRAM, and reads its weights from the mapping only once, at load. A window's
+    GPU layers are its first ones (docs/gpu.md), so its CPU part is one range (empty when all are on the GPU)."""
+    gpu = set(gpu_layers)
+    parts = []
+    for w in windows:
+        n = sum(1 for il in range(w.start, w.end) if il in gpu)
+        if any(il not in gpu for il in range(w.start, w.start + n)):
+            on_gpu = sorted(il for il in range(w.start, w.end) if il in gpu)
+            raise WindowRangeError(f"GPU layers {on_gpu} of window {w} are not its first {n} layers: a window "
+                                   "runs its first layers on the GPU and the rest on the CPU")
+        parts.append(LayerRange(w.start + n, w.end))
+    return parts
+
+
 def reserved_bytes(layout: ModelLayout, windows: list[LayerRange], n_ctx: int, n_batch: int, n_ubatch: int) -> int:
     """What windows need besides weights: their KV cache and their llama.cpp compute buffers. A window gives its
     buffer's pages back after a prompt (ContextSettings.release_compute), and the windows run one at a time, so
@@ -49,8 +67,9 @@ def weights_budget(view: MemoryView, reserved: int) -> int:
 def plan_memory(layout: ModelLayout, windows: list[LayerRange], *, n_ctx: int, n_batch: int, n_ubatch: int,
                 memory: MemorySettings | None = None, extra_reserved: int = 0,
                 extra_weights: int = 0) -> MemoryPlan:
-    """The plan for a device's windows (the ones with layers). `extra_reserved` is anonymous memory beside theirs
-    (the head's output context's buffer), `extra_weights` mapped weights beside theirs (the head's output layer)."""
+    """The plan for a device's windows: `windows` are the CPU parts (cpu_parts) of those with CPU layers, the
+    layers whose weights and KV cache take RAM. `extra_reserved` is anonymous memory beside theirs (the head's
+    output context's buffer), `extra_weights` mapped weights beside theirs (the head's output layer)."""
     memory = memory or MemorySettings()
     view = memory_view()
     reserved = reserved_bytes(layout, windows, n_ctx, n_batch, n_ubatch) + extra_reserved

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from primaplug.core.windows import LayerRange
-from primaplug.device.memory import MemoryPlan, MemorySettings, plan_memory
+from primaplug.device.memory import MemoryPlan, MemorySettings, cpu_parts, plan_memory
 from primaplug.engine import ModelLayout
 from primaplug.memory.prefetcher import Prefetcher
 
@@ -34,22 +34,27 @@ class PrefetchHooks:
     a window larger than the budget (the kernel evicted kept pages along with the streamed ones, docs/memory.md).
     """
 
-    def __init__(self, ranges: Sequence[LayerRange], *, per_layer: bool) -> None:
+    def __init__(self, cpu_ranges: Sequence[LayerRange], *, per_layer: bool) -> None:
+        """`cpu_ranges`: each round's CPU part of its window (device/memory.py: cpu_parts), the layers the plan
+        holds; a window's GPU layers before them are in VRAM and have no unit."""
         self.per_layer = per_layer
+        self.cpu_ranges = list(cpu_ranges)
         self.first: dict[int, int] = {}  # round -> index of its window's first unit
         self.prefetcher: Prefetcher | None = None
         self._current: int | None = None
         n = 0
-        for r, window in enumerate(ranges):
-            if window.n_layers:
+        for r, part in enumerate(self.cpu_ranges):
+            if part.n_layers:
                 self.first[r] = n
-                n += window.n_layers if per_layer else 1
+                n += part.n_layers if per_layer else 1
 
-    def on_layer(self, round_: int, window: LayerRange) -> Callable[[int], None] | None:
-        """The window's on_layer callback (layer by layer only)."""
-        if not self.per_layer or not window.n_layers:
+    def on_layer(self, round_: int) -> Callable[[int], None] | None:
+        """The round's window's on_layer callback (layer by layer only)."""
+        part = self.cpu_ranges[round_]
+        if not self.per_layer or not part.n_layers:
             return None
-        return lambda il: self._layer(self.first[round_] + il - window.start)
+        first = self.first[round_]
+        return lambda il: self._layer(first + il - part.start) if il in part else None
 
     def started(self, round_: int) -> None:
         """The round's window is about to compute (whole windows; layer by layer, the window says when)."""
@@ -99,10 +104,12 @@ class DeviceWindows:
 
         ranges, memory = list(ranges), memory or MemorySettings()
         used = [r for r in ranges if r.n_layers]
+        on_cpu = cpu_parts(ranges, gpu_layers)  # GPU layers' weights and KV cache are in VRAM: not planned for
         # what llama.cpp copies out of the mapping at load, as plain llama.cpp does (a tied lm_head, repacked)
         extra_reserved += layout.output_copy_bytes if output else 0
-        plan = plan_memory(layout, used, n_ctx=context.n_ctx, n_batch=context.n_batch, n_ubatch=context.n_ubatch,
-                           memory=memory, extra_reserved=extra_reserved, extra_weights=extra_weights)
+        plan = plan_memory(layout, [r for r in on_cpu if r.n_layers], n_ctx=context.n_ctx, n_batch=context.n_batch,
+                           n_ubatch=context.n_ubatch, memory=memory, extra_reserved=extra_reserved,
+                           extra_weights=extra_weights)
         names = ", ".join(map(str, used)) or "(relay only)"
         progress(0.05, f"mapping {os.path.basename(os.path.realpath(path))} for windows {names}; {plan.describe()}")
         if plan.prefetch.mode == "stream":
@@ -112,13 +119,13 @@ class DeviceWindows:
         model = Model(path, used, output=output, gpu_layers=gpu_layers, layout=layout, copy_chunk_bytes=chunk,
                       progress=lambda f, what: progress(0.05 + 0.05 * f, what))
         log.info("windows %s: %s", names, model.describe_kernels())
-        hooks = PrefetchHooks(ranges, per_layer=plan.per_layer)
+        hooks = PrefetchHooks(on_cpu, per_layer=plan.per_layer)
         try:
             if used:
                 shared = len(used) > 1 and model.can_share_context
                 progress(0.1, f"creating windows {names}{' on one shared context' if shared else ''}")
             windows = model.round_windows(ranges, settings=context,
-                                          on_layer=[hooks.on_layer(i, r) for i, r in enumerate(ranges)])
+                                          on_layer=[hooks.on_layer(i) for i in range(len(ranges))])
             model.pause_threads()  # asleep until work comes (awake())
             prefetcher = Prefetcher(model.source, plan.prefetch, memory.switches) if used else None
         except BaseException:

@@ -8,7 +8,8 @@
 
 This is the only package that imports llama_cpp. `read_layout`/`ModelLayout` do not: they are imported
 eagerly, while Model, Window and WindowChain load the native library on first use (PEP 562), so the planner
-and the prefetcher can read layouts without it.
+and the prefetcher can read layouts without it. The first import of llama_cpp in a process checks the installed
+engine and builds it when it is missing or not the build of the current patches (ensure.py, build.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from primaplug.engine._bindings import bindings_only
+from primaplug.engine.ensure import install_import_check
 from primaplug.engine.layout import SUPPORTED_ARCHS, ModelLayout, TensorSpan, read_layout
+
+# before any module of this package imports llama_cpp: the first import checks that the installed llama-cpp-python
+# is primaplug's patched build of the current patches, and builds it when it is not (ensure.py)
+install_import_check()
 
 if TYPE_CHECKING:
     from primaplug.engine.chain import WindowChain

@@ -11,6 +11,7 @@ turns that hidden state into logits).
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -84,6 +85,57 @@ def _as_range(w: LayerRange | tuple[int, int]) -> LayerRange:
     return w if isinstance(w, LayerRange) else LayerRange(*w)
 
 
+# enum ggml_backend_dev_type (ggml-backend.h): the kinds of device llama.cpp puts GPU layers on
+_GGML_DEVICE_GPU, _GGML_DEVICE_IGPU = 1, 2
+
+
+@functools.cache
+def ggml_devices() -> tuple[tuple[str, ...], str | None]:
+    """(the ggml backends this engine registered, e.g. ("CPU",) or ("CUDA", "CPU"); the GPU device llama.cpp puts
+    LLAMA_WINDOW_PLACEMENT_GPU layers on, as "name (description)", or None when it finds none)."""
+    ggml, base = _native._sibling("ggml"), _native._ggml_base
+    ggml.ggml_backend_reg_count.restype = ctypes.c_size_t
+    ggml.ggml_backend_reg_get.argtypes, ggml.ggml_backend_reg_get.restype = [ctypes.c_size_t], ctypes.c_void_p
+    ggml.ggml_backend_dev_by_type.argtypes, ggml.ggml_backend_dev_by_type.restype = [ctypes.c_int], ctypes.c_void_p
+    for fn in (base.ggml_backend_reg_name, base.ggml_backend_dev_name, base.ggml_backend_dev_description):
+        fn.argtypes, fn.restype = [ctypes.c_void_p], ctypes.c_char_p
+    backends = tuple(base.ggml_backend_reg_name(ggml.ggml_backend_reg_get(i)).decode(errors="replace")
+                     for i in range(ggml.ggml_backend_reg_count()))
+    for kind in (_GGML_DEVICE_GPU, _GGML_DEVICE_IGPU):
+        dev = ggml.ggml_backend_dev_by_type(kind)
+        if dev:
+            name = base.ggml_backend_dev_name(dev).decode(errors="replace")
+            return backends, f"{name} ({base.ggml_backend_dev_description(dev).decode(errors='replace')})"
+    return backends, None
+
+
+def _spans(layers: Iterable[int]) -> str:
+    """0-5, 9, 12-14: runs of consecutive layers."""
+    runs: list[list[int]] = []
+    for il in sorted(layers):
+        if runs and il == runs[-1][1] + 1:
+            runs[-1][1] = il
+        else:
+            runs.append([il, il])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
+def gpu_problem() -> str:
+    """"" when llama.cpp has a GPU for GPU layers; else why not, and what to do. Without one, llama.cpp itself runs
+    a layer placed on the GPU on the CPU without a word (patches/0002: no device, the CPU's buffer types), from a
+    copy repacked into anonymous memory: the plan counted those layers in VRAM, so that is refused instead."""
+    backends, device = ggml_devices()
+    if device is not None:
+        return ""
+    gpus = [b for b in backends if b not in ("CPU", "BLAS", "RPC")]
+    if not gpus:
+        return ("this engine has no GPU backend (built for cpu; llama.cpp's backends here: "
+                f"{', '.join(backends) or 'none'}): rebuild it with `--gpu cuda` (scripts/build_engine.py, or "
+                "`make engine GPU=cuda`; `--gpu metal` on a Mac), or run without GPU layers (-ngl 0)")
+    return (f"this engine has the {', '.join(gpus)} backend, but llama.cpp finds no GPU device (no driver, or "
+            "CUDA_VISIBLE_DEVICES hides them): check nvidia-smi, or run without GPU layers (-ngl 0)")
+
+
 class Model:
     """A GGUF model mapped (never read whole) for running the given layer windows.
 
@@ -125,6 +177,8 @@ class Model:
         gpu = frozenset(gpu_layers)
         if not gpu <= self.layers:
             raise WindowRangeError(f"GPU layers {sorted(gpu - self.layers)} are not in this model's windows")
+        if gpu and (problem := gpu_problem()):
+            raise EngineError(f"GPU layers {_spans(gpu)} asked for: {problem}")
 
         cpu_layers = self.layers - gpu
         self.repack = repack

@@ -12,6 +12,13 @@ tensor has its exact size, so the copy keeps every offset of the original: the l
 prefetcher and the mapping work on it unchanged. It is page cache (reclaimable), costs disk, not memory, and is
 sparse: only the parts a device runs are written.
 
+llama.cpp loads a model from one file, so a GPU layer's weights are read from the copy too, as the model file has
+them (raw; the GPU backend copies them into VRAM at load). A layer's bytes in a copy have one form for good: every
+process of the machine maps the same copy, and one running a layer on its CPU must never see it rewritten raw
+because another loads that layer on a GPU (or the other way round). So each set of GPU layers has a copy of its
+own (`-gpu<hash>` in its name), in which those layers are raw and every other layer repacked; a device without GPU
+layers uses the plain one.
+
 The repacked bytes come from llama.cpp itself: the missing layers are loaded with repacking on, a few hundred MB
 at a time, and every weight it repacked is written out (llama_model_repacked_tensors). So the choice of which
 tensors repack, and how, stays llama.cpp's, on this CPU and this build. The copy is named by the model's identity
@@ -22,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import functools
 import hashlib
 import json
@@ -39,6 +45,7 @@ from llama_cpp import llama_cpp as _ll
 from primaplug.core.errors import EngineError
 from primaplug.core.settings import cache_root
 from primaplug.engine import _native
+from primaplug.engine._filelock import exclusive
 from primaplug.engine.layout import REPACKABLE, ModelLayout, TensorSpan
 
 log = logging.getLogger(__name__)
@@ -123,11 +130,9 @@ def repacked_copy(layout: ModelLayout, cpu_layers: Iterable[int], gpu_layers: It
     the same (one writes, the others wait)."""
     folder = cache_dir or default_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    key = _key(layout)
-    # named after the file itself: a node reads its model through /proc/self/fd/N (node/files.py), the head by name
-    path = folder / f"{Path(os.path.realpath(layout.path)).stem}-{key}.gguf"
     units = units_for(layout, cpu_layers, gpu_layers, output)
-    with _locked(path.with_suffix(".lock")):
+    path = copy_path(layout, gpu_layers, folder)
+    with exclusive(path.with_suffix(".lock")):
         manifest = _read_manifest(path, layout)
         missing = [u for u in units if u not in manifest["units"]]
         built = 0
@@ -138,21 +143,20 @@ def repacked_copy(layout: ModelLayout, cpu_layers: Iterable[int], gpu_layers: It
     return RepackedCopy(os.fspath(path), names, sum(sizes[n] for n in names), built)
 
 
+def copy_path(layout: ModelLayout, gpu_layers: Iterable[int] = (), folder: Path | None = None) -> Path:
+    """Where the copy for a device with these GPU layers lives: one per set of GPU layers (the module's
+    docstring says why), the plain one without."""
+    gpu = sorted(set(gpu_layers))
+    variant = f"-gpu{hashlib.sha256(repr(gpu).encode()).hexdigest()[:8]}" if gpu else ""
+    # named after the file itself: a node reads its model through /proc/self/fd/N (node/files.py), the head by name
+    return (folder or default_dir()) / f"{Path(os.path.realpath(layout.path)).stem}-{_key(layout)}{variant}.gguf"
+
+
 def _key(layout: ModelLayout) -> str:
     # the header names the model's shape, not its weights: a file written again (a new quantization under the same
     # name) gets a new modification time, and so a new copy
     mtime = os.stat(layout.path).st_mtime_ns
     return hashlib.sha256(f"{layout.identity}|{mtime}|{engine_fingerprint()}".encode()).hexdigest()[:16]
-
-
-@contextlib.contextmanager
-def _locked(lock: Path) -> Iterator[None]:
-    with open(lock, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _read_manifest(path: Path, layout: ModelLayout) -> dict:
@@ -229,7 +233,7 @@ def _build(layout: ModelLayout, path: Path, manifest: dict, missing: list[str], 
                 _drop_cache(fd_in, span.offset, span.nbytes)
                 _drop_cache(fd_out, span.offset, span.nbytes)
             for u in chunk:
-                # a layer's bytes are either repacked or raw: writing one form drops the other
+                # a copy's layers never change form (copy_path); a copy written before that rule may list the other
                 manifest["units"].pop(u[:-4] if u.endswith(".raw") else f"{u}.raw", None)
                 manifest["units"][u] = sorted(t.name for t in unit_tensors(layout, u) if t.name in repacked)
             _write_manifest(path, manifest)

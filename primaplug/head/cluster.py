@@ -28,6 +28,7 @@ from primaplug.head.nodes import NodeClient
 from primaplug.head.ring import RingHead
 from primaplug.scheduler import Plan
 from primaplug.transport import RingIn, RingOut, Transport, is_loopback, split_address
+from primaplug.transport.addresses import on_every_interface, reachable, source_address
 from primaplug.wire import (
     PROTOCOL_VERSION,
     Activation,
@@ -55,6 +56,7 @@ class ClusterSettings:
     layers: tuple[int, ...] | None = None  # layers per round for each node, then optionally for the head
     rounds: int = 1
     gpu_layers: tuple[int, ...] | None = None  # per node: how many of the first layers of each window go on its GPU
+    head_gpu_layers: int = 0  # the head alone (no nodes): how many of the first layers of each of its windows
     n_ctx: int = _RUN.n_ctx  # positions a sequence may hold
     n_parallel: int = _RUN.n_parallel  # sequences every window's cache holds (requests in flight)
     n_batch: int = _RUN.n_batch
@@ -110,6 +112,7 @@ class Cluster:
         self.head_ranges: list[LayerRange] = []
         self.node_ranges: list[list[LayerRange]] = []
         self.node_gpu: list[int] = []  # per node: layers of each of its windows on its GPU
+        self.head_gpu = 0  # layers of each of the head's windows on its GPU
         self._outs: list[RingOut] = []
 
     @property
@@ -140,6 +143,7 @@ class Cluster:
         if not self.nodes:  # the head alone: the sizes are windows it chains in ring order, one "round" each
             sizes = list(s.layers) if s.layers else [n_layer // s.rounds]
             self.head_ranges = [w for w in execution_order(ring_windows(sizes, s.rounds, n_layer)) if w.n_layers]
+            self.head_gpu = s.head_gpu_layers
             return
         sizes = list(s.layers) if s.layers else even_split(n_layer // s.rounds, len(self.nodes))
         if len(sizes) == len(self.nodes):
@@ -248,17 +252,29 @@ class Cluster:
         self.node_ranges = [list(d.windows) for _, d in keep]
         self.node_gpu = [d.n for _, d in keep]
         self.head_ranges = list(plan.head.windows)
+        self.head_gpu = plan.head.n  # a head with a GPU gets GPU layers from Halda and the baselines too
+
+    def head_gpu_layers(self) -> list[int]:
+        """The layers the head runs on its GPU: the first head_gpu of each of its windows."""
+        return [il for r in self.head_ranges for il in range(r.start, r.start + min(self.head_gpu, r.n_layers))]
 
     # --- deploying -------------------------------------------------------------------------------------------
 
     def _ring_endpoint(self, i: int) -> str:
         welcome = self.nodes[i].welcome
         assert welcome is not None
-        return welcome.ring_endpoint
+        # a node listening on every interface (0.0.0.0) is reached where the head reached it
+        return reachable(welcome.ring_endpoint, split_address(self.nodes[i].address)[0])
 
     def _successor(self, i: int) -> str:
-        """Where node i sends its output: the next node, or the head after the last."""
-        nxt = self._ring_endpoint(i + 1) if i + 1 < len(self.nodes) else self._head_in.address
+        """Where node i sends its output: the next node, or the head after the last (a head listening on every
+        interface, --listen 0.0.0.0, at its address on the way to that node)."""
+        if i + 1 < len(self.nodes):
+            nxt = self._ring_endpoint(i + 1)
+        else:
+            nxt = self._head_in.address
+            if on_every_interface(nxt):
+                nxt = reachable(nxt, source_address(split_address(self.nodes[i].address)[0]))
         return self.settings.link(self.nodes[i].address, nxt)
 
     def deploy(self) -> None:

@@ -32,7 +32,7 @@ from primaplug.head.cluster import Cluster, ClusterSettings, describe_device, he
 from primaplug.head.events import Event, Events, NodeMetrics, NodeProgress, Notice, Planned
 from primaplug.head.nodes import NodeClient
 from primaplug.head.planning import Measured, PlanSettings, draft_bytes, measure, plan_with_speculation
-from primaplug.scheduler import SCHEDULERS, Plan, alternatives, placement, solve
+from primaplug.scheduler import SCHEDULERS, Plan, alternatives, check_gpu_layers, placement, solve
 from primaplug.transport import Transport, ZmqTransport, load_keys
 from primaplug.wire import ModelIdentity, Status
 
@@ -284,8 +284,10 @@ class Coordinator:
                         sizes = even_split(m.model.n_layer // k, nodes)
                     else:
                         sizes = list(request.layers)
-                    plan = placement(devices, m.model, sizes, rounds=k, gpu_layers=[request.gpu_layers] * nodes,
-                                     scheduler=request.scheduler, **common)
+                    gpu = [request.gpu_layers] * nodes
+                    check_gpu_layers(devices, m.model, sizes, gpu, rounds=k)  # before a node refuses it
+                    plan = placement(devices, m.model, sizes, rounds=k, gpu_layers=gpu, scheduler=request.scheduler,
+                                     **common)
                     others = ()
             except ValueError as err:
                 raise ConfigError(str(err)) from None
@@ -325,16 +327,24 @@ class Coordinator:
             llama_kwargs.setdefault("verbose", False)
             if self.chat_format:
                 llama_kwargs.setdefault("chat_format", self.chat_format)
+            # a plan of the head alone (Halda found the nodes slower) with GPU layers keeps its windows and their
+            # GPU layers; without, the head runs one window
+            alone = (not addresses and len(plan.devices) == 1 and plan.head.n > 0
+                     and plan.head.w * plan.k == self.layout.n_layer)
+            if alone:
+                llama_kwargs.setdefault("rounds", plan.k)
+                llama_kwargs.setdefault("node_gpu_layers", plan.head.n)
             try:
                 self.llm = Llama(self.path, nodes=addresses, plan=plan if addresses else None,
-                                 layers=None if addresses else [self.layout.n_layer], keys=self.keys,
+                                 layers=None if addresses else [plan.head.w if alone else self.layout.n_layer],
+                                 keys=self.keys,
                                  listen=self.listen, timeout_s=self.timeout_s, node_threads=self.node_threads,
                                  events=self.events, transport=self.transport, draft_model=self.draft_model,
                                  draft_max=self.draft_max, draft_min=self.draft_min, **llama_kwargs)
             except (NodeError, NodeUnavailableError) as err:
                 self._mark_failed(err)
                 raise
-            self.llm.plan = plan  # the head alone is deployed as one window, not from the plan: keep it all the same
+            self.llm.plan = plan  # the head alone is not deployed from the plan: keep it all the same
             return self.llm
 
     def undeploy(self) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from primaplug.core.errors import PrimaplugError
+from primaplug.memory.system import linux_kernel
 
 READY = re.compile(r"^primaplug node (\S+) ready: control (tcp://\S+):(\d+) ring (\S+)$")
 
@@ -137,11 +138,12 @@ class LocalNodes:
 
 
 def _child_setup(then: Callable[[], None] | None) -> Callable[[], None]:
-    """Runs in each node child before exec: on Linux the node gets SIGTERM when its launcher dies, even by
-    SIGKILL, so no node outlives the process that started it; then the caller's own setup."""
+    """Runs in each node child before exec: on Linux's kernel (Android's too) the node gets SIGTERM when its
+    launcher dies, even by SIGKILL, so no node outlives the process that started it; then the caller's own setup."""
+    pdeathsig = linux_kernel()
 
     def setup() -> None:
-        if sys.platform.startswith("linux"):
+        if pdeathsig:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         if then is not None:
             then()

@@ -64,7 +64,9 @@ class Llama(RingLlama):
         timeout_s: how long a silent node may take before generation stops with an error naming it.
         node_threads: compute threads on each node (0: all its cores).
         node_gpu_layers: layers of each node window that run on the node's GPU, one number for every node or
-            one per node; with a split by hand only (layers, or "even").
+            one per node; with a split by hand only (layers, or "even"). Without nodes, one number: layers of each
+            of the head's windows on this device's GPU (-ngl). A node, or this device, whose engine has no GPU
+            refuses GPU layers, saying so; a planning scheduler gives a head with a GPU its GPU layers itself.
         memory_budget: bytes the head's own windows' weights may use (default: what this device has available,
             less KV cache, buffers, the output layer and 5%); windows that do not fit are streamed, as on a node.
             A planning scheduler sees it as the head's available memory (PlanSettings.head_memory_bytes), so the
@@ -144,6 +146,10 @@ class Llama(RingLlama):
             raise ConfigError("a plan is deployed on its own nodes: pass nodes, and no layers")
         planned = bool(nodes) and layers is None and scheduler != "even" and plan is None
         gpu = tuple(node_gpu_layers) if isinstance(node_gpu_layers, Sequence) else (node_gpu_layers,) * len(nodes)
+        head_gpu = 0 if nodes or isinstance(node_gpu_layers, Sequence) else int(node_gpu_layers)  # the head alone
+        if not nodes and (gpu or head_gpu < 0):
+            raise ConfigError(f"without nodes, node_gpu_layers (-ngl) is one count (0 or more): the layers of each of "
+                              f"the head's windows on this device's GPU; got {node_gpu_layers!r}")
         if len(gpu) != len(nodes) or min(gpu, default=0) < 0:
             raise ConfigError(f"node_gpu_layers needs one count (0 or more) per node ({len(nodes)}), or one for "
                               f"every node; got {list(gpu)}")
@@ -170,7 +176,8 @@ class Llama(RingLlama):
         settings = ClusterSettings(nodes=nodes, layers=tuple(layers) if layers else None, rounds=rounds or 1,
                                    n_ctx=n_ctx, n_parallel=n_parallel, n_batch=n_batch, n_ubatch=n_ubatch,
                                    n_threads=node_threads,
-                                   listen=listen, timeout_s=timeout_s, route=route, gpu_layers=gpu)
+                                   listen=listen, timeout_s=timeout_s, route=route, gpu_layers=gpu,
+                                   head_gpu_layers=head_gpu)
         self._cluster: Cluster | None = None
         self._device: DeviceWindows | None = None
         self.plan: Plan | None = None  # the scheduler's plan, when one was made
@@ -201,7 +208,7 @@ class Llama(RingLlama):
                 path, layout, cluster.head_ranges, context=context,
                 memory=MemorySettings(budget_bytes=memory_budget, switches=memory_switches or Switches()),
                 output=True, extra_reserved=compute_buffer_output_bytes(layout, n_ctx, n_batch, n_ubatch) + reserved,
-                extra_weights=layout.output_bytes)
+                extra_weights=layout.output_bytes, gpu_layers=cluster.head_gpu_layers())
             if draft_model is not None:
                 self.speculation = open_speculation(draft_model, target=self._device.model, n_ctx=n_ctx,
                                                     n_batch=n_batch, n_threads=threads, n_min=draft_min,

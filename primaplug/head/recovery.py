@@ -57,6 +57,8 @@ class Replanner:
     settings: PlanSettings | None = None
     by_hand: dict[str, int] = field(default_factory=dict)  # node address -> its layers per round in the first ring
     gpu: dict[str, int] = field(default_factory=dict)  # node address -> GPU layers of its windows (by hand)
+    no_gpu: set[str] = field(default_factory=set)  # joiners that refused or failed to load the GPU layers given
+    _given: dict[str, str] = field(default_factory=dict, init=False, repr=False)  # str(node) -> a joiner given -ngl
 
     @classmethod
     def of(cls, cluster: Cluster, measured: Measured | None, settings: PlanSettings | None) -> Replanner:
@@ -78,8 +80,28 @@ class Replanner:
         weights = [self.by_hand.get(n.address, mean) for n in nodes]
         nodes = list(nodes)[:total]  # more nodes than layers: the last ones wait outside
         sizes = [int(x) for x in apportion(weights[: len(nodes)], total)]
-        gpu = [min(self.gpu.get(n.address, 0), s) for n, s in zip(nodes, sizes, strict=True)]
+        joiner = 0 if len(set(self.gpu.values())) != 1 else next(iter(self.gpu.values()))
+        gpu = []
+        self._given.clear()
+        for n, s in zip(nodes, sizes, strict=True):
+            if n.address in self.gpu:
+                gpu.append(min(self.gpu[n.address], s))
+            else:  # -ngl N was for every node, and so for one that joins; different counts name none for it
+                gpu.append(0 if n.address in self.no_gpu else min(joiner, s))
+                if gpu[-1]:
+                    self._given[str(n)] = n.address
         return nodes, sizes, gpu, f"the split by hand rescaled to {len(nodes)} node(s): {sizes} layers per round"
+
+    def refused(self, error: PrimaplugError) -> bool:
+        """Whether `error` is a node that joined refusing, or failing to load, the GPU layers split() gave it (an
+        engine without a GPU backend refuses them): from the next split on it gets none, so that a node without a
+        GPU joining a ring given -ngl does not keep the ring from re-forming."""
+        address = self._given.get(error.node) if isinstance(error, NodeError) and error.code in (
+            "bad_assignment", "load_failed") else None
+        if address is None:
+            return False
+        self.no_gpu.add(address)
+        return True
 
     def _scheduled(self, cluster: Cluster, nodes: list[NodeClient], total: int) -> tuple[
             list[NodeClient], list[int], list[int], str]:
@@ -231,6 +253,8 @@ class Recovery:
             self.ring = self.open_ring(c)
         except PrimaplugError as e:
             self.failure = f"the ring could not be re-formed after it {what}: {e}"
+            if self.replanner.refused(e):
+                self.failure += " (the next try gives it no GPU layers)"
             self.ring = _Broken(c.epoch, self.failure)
             for n in lost:
                 self._departed.setdefault(n.address, n)

@@ -1,21 +1,31 @@
-"""Memory as the OS gives it to this process: available bytes (cgroup-aware), total, and major faults."""
+"""Memory as the OS gives it to this process: available bytes (cgroup-aware on Linux; Android's and macOS's own
+rules in memory/android.py and memory/darwin.py), total, and major faults."""
 
 from __future__ import annotations
 
+import logging
 import os
+import platform
 import resource
-from collections.abc import Callable
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+
+from primaplug.core.profiles import OsName
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class MemoryView:
     total_bytes: int  # the cgroup's limit when inside one, else physical memory
     available_bytes: int
-    source: str  # "cgroup v2", "cgroup v1" or "system"
+    source: str  # "cgroup v2", "cgroup v1", "system", "android" (or "android cgroup v1/v2"), "macos", "psutil"
+    note: str = ""  # how available was counted, where the rule is the platform's own
 
     @property
     def used_bytes(self) -> int:
@@ -29,9 +39,13 @@ class MemoryView:
 
 # read one file by absolute path; None when it does not exist or cannot be read
 Reader = Callable[[str], "str | None"]
+# run one command (run_command; tests hand in recorded outputs): its stdout, or None when it could not run
+Run = Callable[[list[str]], "str | None"]
 
 # cgroup v1 writes "no limit" as the largest page-aligned 63-bit value; anything above physical memory is no limit
 _V1_NO_LIMIT = 1 << 60
+# where each cgroup version's memory controller is mounted (Android's: memory/android.py)
+CGROUP_MOUNTS = {"cgroup v2": ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"), "cgroup v1": ("/sys/fs/cgroup/memory",)}
 
 
 def read_file(path: str) -> str | None:
@@ -39,6 +53,15 @@ def read_file(path: str) -> str | None:
         return Path(path).read_text()
     except OSError:
         return None
+
+
+def run_command(argv: list[str]) -> str | None:
+    """A command's stdout; None when it could not run, took over 10 s or failed."""
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout if r.returncode == 0 else None
 
 
 def file_cache_bytes(stat_text: str) -> int:
@@ -55,7 +78,8 @@ def cgroup_available(limit: int, usage: int, stat_text: str) -> int:
     return max(0, limit - (usage - file_cache_bytes(stat_text)))
 
 
-def cgroup_memory(proc_self_cgroup: str, read: Reader, physical: int) -> tuple[int, int, str] | None:
+def cgroup_memory(proc_self_cgroup: str, read: Reader, physical: int,
+                  mounts: Mapping[str, tuple[str, ...]] = CGROUP_MOUNTS) -> tuple[int, int, str] | None:
     """(limit, available, "cgroup v1"/"cgroup v2") of the tightest memory limit on this process, or None.
 
     A limit set on any ancestor binds as well, so the process's cgroup and every ancestor up to the mount's root
@@ -67,14 +91,12 @@ def cgroup_memory(proc_self_cgroup: str, read: Reader, physical: int) -> tuple[i
             continue
         _, controllers, rel = parts
         if controllers == "":
-            mounts, limit_name, usage_name, source = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"), "memory.max", \
-                "memory.current", "cgroup v2"
+            limit_name, usage_name, source = "memory.max", "memory.current", "cgroup v2"
         elif "memory" in controllers.split(","):
-            mounts, limit_name, usage_name, source = ("/sys/fs/cgroup/memory",), "memory.limit_in_bytes", \
-                "memory.usage_in_bytes", "cgroup v1"
+            limit_name, usage_name, source = "memory.limit_in_bytes", "memory.usage_in_bytes", "cgroup v1"
         else:
             continue
-        for mount in mounts:
+        for mount in mounts.get(source, ()):
             for level in _ancestors(rel):
                 base = f"{mount}{level}".rstrip("/")
                 raw = read(f"{base}/{limit_name}")
@@ -96,14 +118,63 @@ def _ancestors(rel: str) -> list[str]:
     return ["/" + "/".join(parts[:i]) if i else "" for i in range(len(parts), -1, -1)]
 
 
-def memory_view() -> MemoryView:
-    """Memory now: MemAvailable, or what the tightest cgroup limit on this process leaves when that is less."""
-    vm = psutil.virtual_memory()
-    limited = cgroup_memory(read_file("/proc/self/cgroup") or "", read_file, vm.total)
+def linux_kernel(platform_name: str | None = None) -> bool:
+    """Whether `platform_name` (default this process's sys.platform) runs Linux's kernel, with its /proc and
+    prctl: Linux, and Android, which Python calls "android" from 3.13 on and "linux" before."""
+    name = sys.platform if platform_name is None else platform_name
+    return name.startswith("linux") or name == "android"
+
+
+def detect_os(platform_name: str, system: str, env: Mapping[str, str], has_build_prop: bool) -> OsName:
+    """Whose memory rules apply, from sys.platform, platform.system(), the environment and whether
+    /system/build.prop exists: "macos", "android" (memory/android.py: is_android; HarmonyOS under Termux too), else
+    "linux", whose reading (psutil's figures, cgroups where /proc shows them) also serves any other Unix."""
+    if platform_name == "darwin":
+        return "macos"
+    from primaplug.memory.android import is_android
+
+    return "android" if is_android(system, env, has_build_prop) else "linux"
+
+
+def host_os() -> OsName:
+    """detect_os for this process."""
+    return detect_os(sys.platform, platform.system(), os.environ, os.path.exists("/system/build.prop"))
+
+
+def linux_view(total: int, available: int, proc_self_cgroup: str, read: Reader) -> MemoryView:
+    """Linux: the kernel's figures (MemTotal, MemAvailable), or the tightest cgroup limit on this process and what
+    it leaves (`cgroup_memory`) when that is less."""
+    limited = cgroup_memory(proc_self_cgroup, read, total)
     if limited is not None:
-        limit, available, source = limited
-        return MemoryView(limit, min(available, vm.available), source)
-    return MemoryView(vm.total, vm.available, "system")
+        limit, left, source = limited
+        return MemoryView(limit, min(left, available), source)
+    return MemoryView(total, available, "system")
+
+
+def memory_view(os_name: OsName | None = None) -> MemoryView:
+    """Memory now. Linux: MemAvailable, or what the tightest cgroup limit on this process leaves when that is
+    less. Android: MemAvailable less Android's low-memory line (memory/android.py). macOS: free, file-backed and
+    purgeable pages (memory/darwin.py). Where the platform's own reading fails, psutil's, and a warning."""
+    os_name = os_name or host_os()
+    if os_name == "android":
+        from primaplug.memory.android import read_android_view
+
+        try:
+            return read_android_view()
+        except (OSError, ValueError) as e:
+            log.warning("memory: cannot read Android's figures (%s); using psutil's, without Android's reserve", e)
+            vm = psutil.virtual_memory()
+            return MemoryView(vm.total, vm.available, "psutil")
+    vm = psutil.virtual_memory()
+    if os_name == "macos":
+        from primaplug.memory.darwin import read_darwin_view
+
+        view = read_darwin_view(vm.total)
+        if view is None:
+            log.warning("memory: vm_stat did not run; using psutil's figure (inactive + free pages)")
+            return MemoryView(vm.total, vm.available, "psutil")
+        return view
+    return linux_view(vm.total, vm.available, read_file("/proc/self/cgroup") or "", read_file)
 
 
 def major_faults() -> int:

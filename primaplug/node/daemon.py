@@ -17,7 +17,6 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
-import psutil
 
 from primaplug import __version__
 from primaplug.core.errors import ConfigError, ModelFormatError, PrimaplugError, ProtocolError
@@ -30,6 +29,7 @@ from primaplug.memory.system import memory_view
 from primaplug.node.deployment import Deployment
 from primaplug.node.files import HeldFile
 from primaplug.node.profiling import Profiling
+from primaplug.profiler import gpu
 from primaplug.transport import RingIn, Transport, is_loopback
 from primaplug.transport.addresses import parse_endpoint
 from primaplug.wire import (
@@ -152,7 +152,6 @@ class Node:
                 if got is None:
                     continue
                 envelope, body = got
-                self._contact = time.monotonic()
                 reply = self._handle_control(body)
                 self.control.reply(envelope, encode(reply))
         finally:
@@ -191,6 +190,8 @@ class Node:
             req = decode_request(body)
         except ProtocolError as e:
             return self._error("bad_message", str(e))
+        if not isinstance(req, Hello):  # a Hello (a health check, a head looking for nodes) is not a head's word
+            self._contact = time.monotonic()
         try:
             match req:
                 case Hello():
@@ -221,9 +222,9 @@ class Node:
         return self._error("bad_message", f"unhandled request {type(req).__name__}")
 
     def _welcome(self) -> Welcome:
-        mem = psutil.virtual_memory()
+        mem = memory_view()  # what this node budgets with, and its profile reports to the planner
         facts = DeviceFacts(os=platform.system(), machine=platform.machine(), cpu_count=os.cpu_count() or 1,
-                            mem_total_bytes=mem.total, mem_available_bytes=mem.available)
+                            mem_total_bytes=mem.total_bytes, mem_available_bytes=mem.available_bytes)
         return Welcome(proto=PROTOCOL_VERSION, software=__version__, node=self.name,
                        models=tuple(m for _, _, m in self._models.values()), device=facts,
                        ring_endpoint=self.ring.address)
@@ -415,12 +416,17 @@ def _check_assignment(a: Assignment, layout: ModelLayout) -> str:
         return f"{a.n_seq_max} sequences need batches of at least as many rows (n_batch is {a.n_batch})"
     if a.n_ctx < a.n_seq_max:
         return f"a context of {a.n_ctx} positions leaves none to each of {a.n_seq_max} sequences"
-    used = [LayerRange(w.start, w.end) for w in a.windows if w.end > w.start]
-    need, total = reserved_bytes(layout, used, a.n_ctx, a.n_batch, a.n_ubatch), memory_view().total_bytes
+    if any(w.gpu_layers for w in a.windows) and gpu.engine_backend() == "cpu":
+        # llama.cpp would run them on the CPU without a word, from copies in anonymous memory that the plan
+        # counted as VRAM (docs/gpu.md)
+        return gpu.no_gpu_backend("this node's engine")
+    # the KV cache of a GPU layer lives in VRAM (llama.cpp's offload_kqv): only the CPU layers' count against RAM
+    cpu_part = [LayerRange(w.start + w.gpu_layers, w.end) for w in a.windows if w.end > w.start + w.gpu_layers]
+    need, total = reserved_bytes(layout, cpu_part, a.n_ctx, a.n_batch, a.n_ubatch), memory_view().total_bytes
     if need > total:  # a huge context once had a node allocate 24 GiB before it could fail
         return (f"a context of {a.n_ctx} positions (batches of {a.n_batch}, {a.n_ubatch} at a time) needs "
-                f"{need / 2**30:.1f} GiB of KV cache and compute buffers for these windows; this device has "
-                f"{total / 2**30:.1f} GiB in all: ask for a smaller context")
+                f"{need / 2**30:.1f} GiB of KV cache and compute buffers for these windows' CPU layers; this device "
+                f"has {total / 2**30:.1f} GiB in all: ask for a smaller context")
     if len(a.successor) > MAX_ENDPOINT_CHARS or not a.successor.startswith("tcp://"):
         return f"successor '{_brief(a.successor, 80)}' is not a tcp:// endpoint"
     try:

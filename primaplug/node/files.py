@@ -3,21 +3,21 @@ file, never through the name it was given.
 
 Re-pointing a symlink (or renaming another file onto the name) after the start must not make the next load open
 another file: a node would otherwise map whatever the name now names, and the error of a failed load could quote
-that file's first bytes to the head. On Linux every reader (the header, llama.cpp's own open and mapping, the
-repacked copy's build, the prefetcher's advice, the profiler's disk reads) is given /proc/self/fd/N, which opens the
-held file itself whatever its name now says. Elsewhere the name is used, checked against the held file (device and
-inode) before and after each load. The bytes of the held file can still be written in place: its size and
-modification time are checked too, and a changed file is refused.
+that file's first bytes to the head. On Linux and Android every reader (the header, llama.cpp's own open and
+mapping, the repacked copy's build, the prefetcher's advice, the profiler's disk reads) is given /proc/self/fd/N,
+which opens the held file itself whatever its name now says. Elsewhere the name is used, checked against the held
+file (device and inode) before and after each load. The bytes of the held file can still be written in place: its
+size and modification time are checked too, and a changed file is refused.
 """
 
 from __future__ import annotations
 
 import os
 import stat
-import sys
 from pathlib import Path
 
 from primaplug.core.errors import ConfigError, PrimaplugError
+from primaplug.memory.system import linux_kernel
 
 
 class ModelFileChangedError(PrimaplugError):
@@ -75,10 +75,10 @@ class HeldFile:
 
 
 def _fd_path(fd: int, st: os.stat_result) -> str | None:
-    """A name that opens the file held by `fd` itself, or None where there is none. Only /proc/self/fd on Linux:
-    macOS's /dev/fd/N duplicates the descriptor, so every open of it would share (and move) one file offset, which
-    llama.cpp's sequential header reads do not expect."""
-    if not sys.platform.startswith("linux"):
+    """A name that opens the file held by `fd` itself, or None where there is none. Only /proc/self/fd on Linux's
+    kernel (Android's too): macOS's /dev/fd/N duplicates the descriptor, so every open of it would share (and move)
+    one file offset, which llama.cpp's sequential header reads do not expect."""
+    if not linux_kernel():
         return None
     path = f"/proc/self/fd/{fd}"
     try:

@@ -11,18 +11,21 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import importlib.util
+import logging
 import os
 import re
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from primaplug.core.profiles import Backend
+
+logger = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 
@@ -41,13 +44,29 @@ def detect_backend(lib_names: Iterable[str]) -> Backend:
 
 
 def engine_lib_names() -> list[str]:
-    """File names in the installed llama-cpp-python's lib folder (found without importing it)."""
+    """File names in the folder llama-cpp-python loads libllama from (found without importing it): its own lib
+    folder, or $LLAMA_CPP_LIB_PATH, which llama-cpp-python's loader takes instead when it is set."""
+    override = os.environ.get("LLAMA_CPP_LIB_PATH")
+    if override:
+        return os.listdir(override) if os.path.isdir(override) else []
     spec = importlib.util.find_spec("llama_cpp")
     for folder in list(spec.submodule_search_locations or []) if spec else []:
         lib = os.path.join(folder, "lib")
         if os.path.isdir(lib):
             return os.listdir(lib)
     return []
+
+
+def engine_backend() -> Backend:
+    """The GPU backend the installed engine was built with ("cpu": none), from its library folder."""
+    return detect_backend(engine_lib_names())
+
+
+def no_gpu_backend(who: str) -> str:
+    """What to say when GPU layers are asked of a device whose engine has no GPU backend; `who`: "this node's
+    engine", "node X's engine"."""
+    return (f"{who} has no GPU backend (built for cpu): rebuild it with `--gpu cuda` (scripts/build_engine.py, or "
+            "`make engine GPU=cuda`; `--gpu metal` on a Mac), or plan without GPU layers (-ngl 0)")
 
 
 def unified_memory(backend: Backend, machine: str) -> bool:
@@ -85,18 +104,41 @@ def parse_logged_metal_working_set(lines: Iterable[str]) -> int | None:
     return None
 
 
+def nvidia_smi_command(env: Mapping[str, str] | None = None) -> list[str] | None:
+    """The nvidia-smi command that reads the free memory of the GPU llama.cpp puts GPU layers on (CUDA's device 0):
+    the first device CUDA_VISIBLE_DEVICES names (an index or a UUID, which nvidia-smi's --id takes as well; nvidia-smi
+    itself ignores the variable), GPU 0 without it. None when the variable hides every device ("" or "-1")."""
+    env = os.environ if env is None else env
+    cmd = ["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"]
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return cmd
+    first = visible.split(",")[0].strip()
+    if not first or first.startswith("-"):  # CUDA stops at the first entry it cannot read: no device
+        return None
+    return [*cmd, f"--id={first}"]
+
+
 def cuda_free_vram(run: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run,
-                   runtime: Callable[[], CudaRuntime | None] | None = None) -> int:
+                   runtime: Callable[[], Runtime | None] | None = None, env: Mapping[str, str] | None = None) -> int:
     """d^avail_cuda now: nvidia-smi when it is there, else the CUDA runtime (Jetson boards have no nvidia-smi),
-    else 0."""
+    else 0 (no GPU the plan can use: also when the runtime is installed but finds no device or no driver)."""
+    cmd = nvidia_smi_command(env)
+    if cmd is None:
+        return 0
     try:
-        out = run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"], capture_output=True,
-                  text=True, timeout=10, check=True)
+        out = run(cmd, capture_output=True, text=True, timeout=10, check=True)
         return parse_nvidia_smi_free(out.stdout)
     except (OSError, subprocess.SubprocessError, ValueError):
         pass
     rt = (runtime or CudaRuntime.load)()
-    return rt.mem_get_info()[0] if rt is not None else 0
+    if rt is None:
+        return 0
+    try:
+        return rt.mem_get_info()[0]
+    except RuntimeError as e:  # cudaErrorNoDevice, cudaErrorInsufficientDriver: a CUDA toolkit without a GPU
+        logger.info("the CUDA runtime reads no free VRAM (%s): planning without this GPU", e)
+        return 0
 
 
 # --- the CUDA runtime through ctypes -----------------------------------------------------------------------------

@@ -1,30 +1,30 @@
 """What the operating system says about a device: its name for Halda's rules, its CPU, and its memory.
 
-Each reading is a small function over the texts the OS gives (/proc/meminfo, cgroup files, vm_stat's output) so
-that tests can feed recorded texts; `read_memory()` and friends only gather those texts on the live system.
-Memory is always read fresh: unlike speeds it changes from one minute to the next.
+Which OS, and how much memory is available, are the node's own readings (primaplug/memory/system.py: host_os,
+memory_view, with Android's and macOS's rules in memory/android.py and memory/darwin.py), so that Halda plans a
+device with the memory its node then budgets; this module adds what only the profile needs (the CPU's name,
+Android's swap figures, Metal's working set). Each reading is a small function over the texts the OS gives, so that
+tests can feed recorded texts. Memory is always read fresh: unlike speeds it changes from one minute to the next.
 """
 
 from __future__ import annotations
 
 import os
 import platform
-import re
 import subprocess
-from collections.abc import Mapping
+import sys
 from dataclasses import dataclass
 
-import psutil
-
 from primaplug.core.profiles import OsName
-from primaplug.memory.system import Reader, cgroup_memory, read_file
+from primaplug.memory.android import parse_meminfo
+from primaplug.memory.system import host_os, linux_kernel, memory_view, read_file
 
 
 @dataclass(frozen=True)
 class MemoryReading:
     total_bytes: int  # physical memory, or the cgroup's limit when that is smaller
-    available_bytes: int  # d^avail
-    source: str  # "meminfo", "cgroup v1", "cgroup v2", "vm_stat", "psutil"
+    available_bytes: int  # d^avail: memory_view()'s, what the node budgets with
+    source: str  # memory_view()'s: "system", "cgroup v1/v2", "android" ("android cgroup v1/v2"), "macos", "psutil"
     swap_can_bytes: int = 0  # Android: anonymous memory the OS could swap out
     swap_free_bytes: int = 0  # Android: free swap
 
@@ -32,21 +32,12 @@ class MemoryReading:
 # --- OS and CPU --------------------------------------------------------------------------------------------------
 
 
-def detect_os(system: str, env: Mapping[str, str], has_build_prop: bool) -> OsName:
-    """linux, android or macos. Android shows itself to Python as Linux under Termux (and as "Android" from
-    Python 3.13 on); Termux sets TERMUX_VERSION and a PREFIX under com.termux, and every Android has
-    /system/build.prop. HarmonyOS under Termux counts as Android, as in the paper."""
-    if system == "Darwin":
-        return "macos"
-    if system == "Android" or has_build_prop or "TERMUX_VERSION" in env or "com.termux" in env.get("PREFIX", ""):
-        return "android"
-    if system == "Linux":
-        return "linux"
-    raise OSError(f"primaplug profiles Linux, Android and macOS devices, not {system or 'an unknown OS'}")
-
-
 def current_os() -> OsName:
-    return detect_os(platform.system(), os.environ, os.path.exists("/system/build.prop"))
+    """linux, android or macos, as the node's memory rules tell them (memory/system.py: host_os); Halda's latency
+    model knows no other OS, so any other is refused."""
+    if sys.platform != "darwin" and not linux_kernel():
+        raise OSError(f"primaplug profiles Linux, Android and macOS devices, not {platform.system() or sys.platform}")
+    return host_os()
 
 
 def cpu_model(cpuinfo: str | None, fallback: str) -> str:
@@ -84,32 +75,11 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-# --- memory: Linux and Android -----------------------------------------------------------------------------------
+# --- memory ------------------------------------------------------------------------------------------------------
 
 
-def parse_meminfo(text: str) -> dict[str, int]:
-    """/proc/meminfo as bytes per field."""
-    out: dict[str, int] = {}
-    for line in text.splitlines():
-        m = re.match(r"([^:]+):\s+(\d+)(?:\s+kB)?", line)
-        if m:
-            out[m.group(1)] = int(m.group(2)) * (1024 if line.rstrip().endswith("kB") else 1)
-    return out
-
-
-def linux_memory(meminfo: str, proc_self_cgroup: str | None, read: Reader) -> MemoryReading:
-    """Linux: MemAvailable, or what the tightest cgroup limit leaves when that is less."""
-    info = parse_meminfo(meminfo)
-    total, available = info["MemTotal"], info.get("MemAvailable", info.get("MemFree", 0))
-    limited = cgroup_memory(proc_self_cgroup or "", read, total)
-    if limited is not None:
-        limit, left, source = limited
-        return MemoryReading(min(limit, total), min(left, available), source)
-    return MemoryReading(total, available, "meminfo")
-
-
-def android_memory(meminfo: str) -> MemoryReading:
-    """Android: MemAvailable, plus what the OS could swap out to make room (d^bytes_can_swap, d^swap_avail).
+def android_swap(meminfo: str) -> tuple[int, int]:
+    """Android: (d^bytes_can_swap, d^swap_avail), what the OS could swap out to make room, and free swap.
 
     Android swaps background apps' anonymous pages (to zram on most phones) before it kills them, so the pages
     it could swap are the anonymous ones less the locked ones: Active(anon) + Inactive(anon) - Mlocked, from
@@ -118,28 +88,7 @@ def android_memory(meminfo: str) -> MemoryReading:
     the paper does not discount it and neither do we."""
     info = parse_meminfo(meminfo)
     anon = info.get("Active(anon)", 0) + info.get("Inactive(anon)", 0)
-    return MemoryReading(
-        info["MemTotal"], info.get("MemAvailable", info.get("MemFree", 0)), "meminfo",
-        swap_can_bytes=max(0, anon - info.get("Mlocked", 0)), swap_free_bytes=info.get("SwapFree", 0),
-    )
-
-
-# --- memory: macOS -----------------------------------------------------------------------------------------------
-
-
-def macos_memory(vm_stat: str, total_bytes: int) -> MemoryReading:
-    """macOS: free + inactive + purgeable + speculative pages from `vm_stat`: all of them the kernel hands out
-    without compressing or swapping anything (speculative pages are clean read-ahead)."""
-    m = re.search(r"page size of (\d+) bytes", vm_stat)
-    page = int(m.group(1)) if m else 4096
-    pages: dict[str, int] = {}
-    for line in vm_stat.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and value.strip().rstrip(".").isdigit():
-            pages[key.strip()] = int(value.strip().rstrip("."))
-    names = ("Pages free", "Pages inactive", "Pages purgeable", "Pages speculative")
-    available = sum(pages.get(n, 0) for n in names) * page
-    return MemoryReading(total_bytes, min(available, total_bytes), "vm_stat")
+    return max(0, anon - info.get("Mlocked", 0)), info.get("SwapFree", 0)
 
 
 def metal_working_set(total_bytes: int, logged: int | None = None) -> int:
@@ -155,21 +104,13 @@ def metal_working_set(total_bytes: int, logged: int | None = None) -> int:
 
 
 def read_memory(os_name: OsName) -> MemoryReading:
-    """Memory as the OS reports it right now."""
-    if os_name == "macos":
-        try:
-            out = subprocess.run(["vm_stat"], capture_output=True, text=True, timeout=5, check=True).stdout
-            return macos_memory(out, psutil.virtual_memory().total)
-        except (OSError, subprocess.SubprocessError):
-            vm = psutil.virtual_memory()
-            return MemoryReading(vm.total, vm.available, "psutil")
-    meminfo = read_file("/proc/meminfo")
-    if meminfo is None:
-        vm = psutil.virtual_memory()
-        return MemoryReading(vm.total, vm.available, "psutil")
-    if os_name == "android":
-        return android_memory(meminfo)
-    return linux_memory(meminfo, read_file("/proc/self/cgroup"), read_file)
+    """Memory as the OS reports it right now, counted as the node counts it (memory_view), and on Android the swap
+    figures Halda adds."""
+    view = memory_view(os_name)
+    if os_name != "android":
+        return MemoryReading(view.total_bytes, view.available_bytes, view.source)
+    can, free = android_swap(read_file("/proc/meminfo") or "")
+    return MemoryReading(view.total_bytes, view.available_bytes, view.source, can, free)
 
 
 def cgroup_identity() -> str:

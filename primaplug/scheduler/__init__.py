@@ -13,6 +13,7 @@ from primaplug.scheduler.solve import (
     LatencyModel,
     Scheduler,
     alternatives,
+    check_gpu_layers,
     placement,
     solve,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "RingPrediction",
     "Scheduler",
     "alternatives",
+    "check_gpu_layers",
     "placement",
     "predict_latency",
     "predict_ring",

@@ -4,7 +4,7 @@ For given device sets and a number of rounds k, the fixed-k ILP (Eqs. 6-10) is l
 FixedKSolver), its constraint matrix is that of a flow from one source (sum(w) = W) through one node per device,
 so it is totally unimodular: with integer bounds the LP's vertex optimum is integral, and HiGHS's simplex solves
 each ILP exactly in a fraction of a millisecond (its branch and bound took ~6 ms; it stays as a fallback).
-highspy is imported only when a solver is built, so importing this module loads no solver.
+highspy is imported only when a solver is built (import_highspy), so importing this module loads no solver.
 docs/halda.md records how the paper's ambiguities were decided and where this departs from the paper.
 """
 
@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from primaplug.core.errors import ConfigError
 from primaplug.scheduler.latency import (
     FREE,
     M2,
@@ -64,6 +66,22 @@ class Solution:
     objective_s: float  # predicted time per token (exact for the sets the placement belongs to)
 
 
+def import_highspy() -> Any:
+    """highspy, Halda's LP solver, imported on first use: importing the scheduler (and the head) must not load it.
+    ConfigError where it is not installed (pyproject leaves it out on Termux/Android), saying what plans without it."""
+    try:
+        import highspy
+    except ImportError as e:
+        missing = isinstance(e, ModuleNotFoundError) and e.name == "highspy"
+        why = "is not installed" if missing else f"cannot be imported ({e})"
+        raise ConfigError(
+            f"Halda (the default scheduler) needs highspy, its LP solver, which {why} here: "
+            "`pip install highspy`, or plan with `--scheduler even|memory|compute` or `--layers` "
+            "(primaplug.Llama: scheduler= or layers=)"
+        ) from e
+    return highspy
+
+
 class FixedKSolver:
     """The fixed-k ILP for one device list, built once in HiGHS and re-solved with new costs and bounds.
 
@@ -76,9 +94,7 @@ class FixedKSolver:
     """
 
     def __init__(self, p: Platform) -> None:
-        import highspy  # lazily: importing the scheduler (and the head) must not load the solver
-
-        self._hs = highspy
+        self._hs = highspy = import_highspy()
         self.p = p
         m = p.n_devices
         self._cols = np.arange(5 * m, dtype=np.int32)

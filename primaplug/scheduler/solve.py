@@ -10,7 +10,7 @@ import numpy as np
 from primaplug.core.errors import PlacementInfeasibleError
 from primaplug.core.profiles import DeviceProfile, ModelProfile
 from primaplug.scheduler.baselines import compute_proportional, memory_proportional
-from primaplug.scheduler.halda import HaldaResult, Solution, halda, valid_rounds
+from primaplug.scheduler.halda import HaldaResult, Solution, gpu_layer_cap, halda, valid_rounds
 from primaplug.scheduler.latency import DEFAULT_SLOW_DISK_BPS, Platform, no_spill_capacity, platform
 from primaplug.scheduler.plan import GIB, DroppedDevice, Plan, build_plan
 from primaplug.scheduler.ring import best_placement
@@ -194,6 +194,32 @@ def placement(
     gpu = [0] + [min(gpu_layers[i] if i < len(gpu_layers) else 0, w[i + 1]) for i in range(nodes)]
     p = platform(devices, model, slow_disk_bps=slow_disk_bps)
     return build_plan(p, rounds, w, gpu, scheduler, latency_model=latency_model)
+
+
+def check_gpu_layers(devices: Sequence[DeviceProfile], model: ModelProfile, sizes: Sequence[int],
+                     gpu_layers: Sequence[int], *, rounds: int = 1) -> None:
+    """Raise ValueError when a split by hand asks a node for GPU layers (`gpu_layers`, of each of its windows of
+    `sizes` layers; nodes are `devices[1:]`) that its profile says it cannot hold: no GPU backend, or not that many
+    layers in its free VRAM with `rounds` windows. placement() scores such a split anyway (as drawn); a node would
+    refuse it (no GPU backend) or fail to load it (out of VRAM). Halda and the baselines never ask for more."""
+    p = platform(devices, model)
+    cap = gpu_layer_cap(p, rounds)
+    for i, d in enumerate(devices[1:], start=1):
+        n = min(gpu_layers[i - 1] if i - 1 < len(gpu_layers) else 0, sizes[i - 1] if i - 1 < len(sizes) else 0)
+        if n <= 0:
+            continue
+        if d.backend == "cpu":
+            raise ValueError(f"{d.name}'s engine has no GPU backend (built for cpu): rebuild it with `--gpu cuda`, "
+                             f"or plan without GPU layers (-ngl 0)")
+        if not p.gpu[i]:
+            raise ValueError(f"{d.name}'s {d.backend} backend cannot run layers on {d.os}: plan without GPU layers "
+                             "(-ngl 0)")
+        if n > cap[i]:
+            free = p.vram_cap[i] / GIB
+            raise ValueError(
+                f"{d.name}'s GPU holds {int(cap[i])} of its layers per window with {rounds} round(s), not {n}: "
+                f"{free:.2f} GiB free, {p.layer_kv_bytes / GIB:.2f} GiB a layer with its KV cache, "
+                f"{p.vram_window[i] / GIB:.2f} GiB of compute buffer a window: lower -ngl to {int(cap[i])}")
 
 
 def alternatives(

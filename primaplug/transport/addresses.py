@@ -45,3 +45,26 @@ def is_loopback(host: str) -> bool:
             return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
         except OSError:
             return False
+
+
+def on_every_interface(address: str) -> bool:
+    """Whether a socket's endpoint is bound on every interface (0.0.0.0): it names no address to connect to."""
+    return parse_endpoint(address)[0] in WILDCARD_HOSTS
+
+
+def reachable(address: str, host: str) -> str:
+    """A socket's endpoint as a peer connects to it: one bound on every interface takes `host`, an address of its
+    machine that the peer reaches."""
+    return endpoint(host, parse_endpoint(address)[1]) if on_every_interface(address) else address
+
+
+def source_address(host: str) -> str:
+    """This machine's address on the route to `host`, the one a connection to it comes from (a UDP socket's connect
+    only picks the route: nothing is sent)."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(sockaddr)
+            return str(s.getsockname()[0])
+    except OSError as e:
+        raise ConfigError(f"cannot find this machine's address on the way to {host}: {e}") from None

@@ -50,12 +50,18 @@ def best_flops(flops: dict[str, float]) -> str:
     return f"{max(flops.values()) / 1e9:.0f}"
 
 
+def gpu_memory_bytes(p: DeviceProfile) -> int:
+    """What the device's GPU may hold, as the scheduler caps it: CUDA's free VRAM, or Metal's recommended working
+    set (in the memory it shares with the CPU)."""
+    return p.metal_working_set_bytes if p.backend == "metal" else p.vram_free_bytes
+
+
 def profile_cells(p: DeviceProfile | None) -> tuple[str, str, str, str, str]:
-    """(OS and cores, RAM free/total GB, disk seq/random MB/s, GPU and its free GB, the best CPU GFLOP/s) of a
-    profile, for the nodes table."""
+    """(OS and cores, RAM free/total GB, disk seq/random MB/s, GPU and its GB (free VRAM, Metal's working set), the
+    best CPU GFLOP/s) of a profile, for the nodes table."""
     if p is None:
         return ("-", "-", "-", "-", "-")
-    gpu = f"{p.backend} {p.vram_free_bytes / GB:.1f}" if p.backend != "cpu" else "-"
+    gpu = f"{p.backend} {gpu_memory_bytes(p) / GB:.1f}" if p.backend != "cpu" else "-"
     return (f"{p.os} {p.cpu_count}c", f"{p.mem_available_bytes / GB:.1f}/{p.mem_total_bytes / GB:.1f}",
             f"{p.disk_seq_bps / 1e6:.0f}/{p.disk_rand_bps / 1e6:.0f}", gpu, best_flops(p.cpu_flops))
 
@@ -78,7 +84,10 @@ def profile_detail(name: str, address: str, p: DeviceProfile | None, view: NodeV
     out.append(f"RAM {p.mem_available_bytes / GB:.2f} of {p.mem_total_bytes / GB:.2f} GB free, read "
                f"{p.cpu_read_bps / GB:.1f} GB/s; disk {p.disk_seq_bps / 1e6:.0f} MB/s sequential, "
                f"{p.disk_rand_bps / 1e6:.0f} MB/s random")
-    if p.vram_free_bytes:
+    if p.backend == "metal" and p.metal_working_set_bytes:
+        out.append(f"; Metal working set {p.metal_working_set_bytes / GB:.1f} GB"
+                   + (" (memory shared with the CPU)" if p.unified_memory else ""))
+    elif p.vram_free_bytes:
         out.append(f"; VRAM {p.vram_free_bytes / GB:.1f} GB free")
     out.append(f"\nlink to the next device: {p.link_latency_s * 1e3:.2f} ms, {p.link_bps * 8 / 1e6:.0f} Mbit/s")
     return out
