@@ -22,9 +22,8 @@ import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
-from primaplug.memory.residency import PAGE, _libc
+from primaplug.memory.residency import _MAP_FAILED, PAGE, _libc, _mmap, _munmap
 from primaplug.memory.system import linux_kernel
 
 log = logging.getLogger(__name__)
@@ -40,29 +39,34 @@ F_RDAHEAD = 45  # <sys/fcntl.h> on macOS: read-ahead on (1) or off (0) for one d
 READ_CHUNK = 1 << 20
 
 
-class Libc:
-    """The C calls the Advisor makes, each returning the C result (tests hand in a fake)."""
+# int madvise(void *addr, size_t length, int advice);
+_madvise = _libc.madvise
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_madvise.restype = ctypes.c_int
 
-    def __init__(self, lib: ctypes.CDLL = _libc) -> None:
-        self._madvise = _proto(lib.madvise, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int)
-        self._mmap = _proto(lib.mmap, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                       ctypes.c_int64], ctypes.c_void_p)
-        self._munmap = _proto(lib.munmap, [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int)
-        self._msync = _proto(lib.msync, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int)
+# int msync(void *addr, size_t length, int flags);
+_msync = _libc.msync
+_msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_msync.restype = ctypes.c_int
+
+
+class Libc:
+    """The C calls the Advisor makes, each returning the C result (tests hand in a fake). mmap and munmap are
+    residency.py's."""
 
     def madvise(self, addr: int, length: int, advice: int) -> int:
-        return self._madvise(addr, length, advice)
+        return _madvise(addr, length, advice)
 
     def mmap_shared(self, fd: int, length: int) -> int | None:
         """A read-only shared mapping of the whole file: its address, or None."""
-        addr = self._mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        return None if addr in (None, ctypes.c_void_p(-1).value) else addr
+        addr = _mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        return None if addr in (None, _MAP_FAILED) else addr
 
     def munmap(self, addr: int, length: int) -> int:
-        return self._munmap(addr, length)
+        return _munmap(addr, length)
 
     def msync(self, addr: int, length: int, flags: int) -> int:
-        return self._msync(addr, length, flags)
+        return _msync(addr, length, flags)
 
     def fcntl(self, fd: int, cmd: int, arg: int) -> int:
         try:  # the stdlib's: fcntl is variadic, which ctypes cannot call portably (arm64 macOS)
@@ -72,11 +76,6 @@ class Libc:
 
     def errno(self) -> int:
         return ctypes.get_errno()
-
-
-def _proto(fn: Any, argtypes: list[Any], restype: Any) -> Any:
-    fn.argtypes, fn.restype = argtypes, restype
-    return fn
 
 
 def paging_platform(name: str | None = None) -> str:
