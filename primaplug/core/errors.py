@@ -76,3 +76,12 @@ class PlacementInfeasibleError(PrimaplugError):
         self.shortfall_bytes = shortfall_bytes
         self.advice = advice
         super().__init__(f"cannot place the model: {reason}" + (f"; {advice}" if advice else ""))
+
+
+def no_gpu_backend(who: str, backends: str = "", without: str = "plan") -> str:
+    """What to say when GPU layers are asked of an engine built without a GPU backend: `who` ("this node's engine",
+    "node2's engine"), the backends llama.cpp registered there where they are known, and how to go on without GPU
+    layers ("plan" them away, or "run" without)."""
+    found = f"; llama.cpp's backends here: {backends}" if backends else ""
+    return (f"{who} has no GPU backend (built for cpu{found}): rebuild it with `--gpu cuda` (scripts/build_engine.py, "
+            f"or `make engine GPU=cuda`; `--gpu metal` on a Mac), or {without} without GPU layers (-ngl 0)")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from llama_cpp import llama_cpp as _ll
 
-from primaplug.core.errors import EngineError, WindowRangeError
+from primaplug.core.errors import EngineError, WindowRangeError, no_gpu_backend
 from primaplug.core.settings import RunSettings
 from primaplug.core.windows import LayerRange
 from primaplug.engine import _log, _native
@@ -129,9 +129,7 @@ def gpu_problem() -> str:
         return ""
     gpus = [b for b in backends if b not in ("CPU", "BLAS", "RPC")]
     if not gpus:
-        return ("this engine has no GPU backend (built for cpu; llama.cpp's backends here: "
-                f"{', '.join(backends) or 'none'}): rebuild it with `--gpu cuda` (scripts/build_engine.py, or "
-                "`make engine GPU=cuda`; `--gpu metal` on a Mac), or run without GPU layers (-ngl 0)")
+        return no_gpu_backend("this engine", ", ".join(backends) or "none", without="run")
     return (f"this engine has the {', '.join(gpus)} backend, but llama.cpp finds no GPU device (no driver, or "
             "CUDA_VISIBLE_DEVICES hides them): check nvidia-smi, or run without GPU layers (-ngl 0)")
 

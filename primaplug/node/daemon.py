@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 
 from primaplug import __version__
-from primaplug.core.errors import ConfigError, ModelFormatError, PrimaplugError, ProtocolError
+from primaplug.core.errors import ConfigError, ModelFormatError, PrimaplugError, ProtocolError, no_gpu_backend
 from primaplug.core.settings import DEFAULT_PORT, HEAD_SILENCE_S, MAX_PARALLEL, TIMEOUT_S
 from primaplug.core.windows import LayerRange
 from primaplug.device import MemorySettings
@@ -419,7 +419,7 @@ def _check_assignment(a: Assignment, layout: ModelLayout) -> str:
     if any(w.gpu_layers for w in a.windows) and gpu.engine_backend() == "cpu":
         # llama.cpp would run them on the CPU without a word, from copies in anonymous memory that the plan
         # counted as VRAM (docs/gpu.md)
-        return gpu.no_gpu_backend("this node's engine")
+        return no_gpu_backend("this node's engine")
     # the KV cache of a GPU layer lives in VRAM (llama.cpp's offload_kqv): only the CPU layers' count against RAM
     cpu_part = [LayerRange(w.start + w.gpu_layers, w.end) for w in a.windows if w.end > w.start + w.gpu_layers]
     need, total = reserved_bytes(layout, cpu_part, a.n_ctx, a.n_batch, a.n_ubatch), memory_view().total_bytes

@@ -62,13 +62,6 @@ def engine_backend() -> Backend:
     return detect_backend(engine_lib_names())
 
 
-def no_gpu_backend(who: str) -> str:
-    """What to say when GPU layers are asked of a device whose engine has no GPU backend; `who`: "this node's
-    engine", "node X's engine"."""
-    return (f"{who} has no GPU backend (built for cpu): rebuild it with `--gpu cuda` (scripts/build_engine.py, or "
-            "`make engine GPU=cuda`; `--gpu metal` on a Mac), or plan without GPU layers (-ngl 0)")
-
-
 def unified_memory(backend: Backend, machine: str) -> bool:
     """I^UMA: Metal on Apple silicon shares one memory between CPU and GPU."""
     return backend == "metal" and machine in ("arm64", "aarch64")

@@ -7,7 +7,7 @@ from typing import Literal
 
 import numpy as np
 
-from primaplug.core.errors import PlacementInfeasibleError
+from primaplug.core.errors import PlacementInfeasibleError, no_gpu_backend
 from primaplug.core.profiles import DeviceProfile, ModelProfile
 from primaplug.scheduler.baselines import compute_proportional, memory_proportional
 from primaplug.scheduler.halda import HaldaResult, Solution, gpu_layer_cap, halda, valid_rounds
@@ -209,8 +209,7 @@ def check_gpu_layers(devices: Sequence[DeviceProfile], model: ModelProfile, size
         if n <= 0:
             continue
         if d.backend == "cpu":
-            raise ValueError(f"{d.name}'s engine has no GPU backend (built for cpu): rebuild it with `--gpu cuda`, "
-                             f"or plan without GPU layers (-ngl 0)")
+            raise ValueError(no_gpu_backend(f"{d.name}'s engine"))
         if not p.gpu[i]:
             raise ValueError(f"{d.name}'s {d.backend} backend cannot run layers on {d.os}: plan without GPU layers "
                              "(-ngl 0)")
