@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,3 +29,11 @@ def assert_same(ring: tuple[list[int], np.ndarray], plain: tuple[list[int], np.n
     scale = float(np.abs(plain[1]).max(axis=1, keepdims=True).min())
     diff = np.abs(ring[1] - plain[1]).max(axis=1) / np.abs(plain[1]).max(axis=1)
     assert diff.max() <= 1e-3, f"logits differ by up to {diff.max():.2e} of the row's largest (scale {scale})"
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    """Poll `condition` until it holds; fail naming `what` after timeout_s (a bound on a hang, not a timing)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.05)

@@ -7,6 +7,7 @@ llama-cpp-python. The seed is fixed, so a failure replays; the case that broke i
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from primaplug.core import PrimaplugError
 from tests.ring_helpers import LLAMA_KWARGS, assert_same, greedy_scores
 
 pytestmark = pytest.mark.multiproc
@@ -189,9 +191,20 @@ class ControlFuzz:
     obeyed), and never a GetProfile for a model the node holds (it is obeyed too, and measuring takes seconds).
     Loads mutate an assignment of a small synthetic model, so that the many that are valid load in milliseconds."""
 
-    def __init__(self, rng: random.Random, assignment: dict[str, Any], identities: list[str], n_layer: int) -> None:
+    def __init__(self, rng: random.Random, assignment: dict[str, Any], identities: list[str], n_layer: int,
+                 head: dict[str, Any]) -> None:
         self.rng, self.assignment, self.n_layer = rng, assignment, n_layer
         self.identity, self.identities = assignment["model"]["identity"], identities
+        self.head = head  # the test's head, which holds the node: the node's own checks are what is fuzzed
+
+    def named(self, req: dict[str, Any]) -> dict[str, Any]:
+        """The request as the holding head sends it, or (one in ten) with a head field at or past its bounds."""
+        rng = self.rng
+        if rng.random() >= 0.1:
+            return {**req, "head": self.head}
+        head = rng.choice([None, {}, {"id": 5}, {**self.head, "id": "x" * 100000}, {**self.head, "served": -1},
+                           {**self.head, "started": "yesterday"}, "head", [self.head]])
+        return {**req, "head": head, "take_over": rng.choice([True, False, 1, None])}
 
     def load(self) -> tuple[str, dict[str, Any]]:
         import copy
@@ -227,7 +240,7 @@ class ControlFuzz:
                                     "n_seq_max": N_SEQ}[where])
         if rng.random() < 0.1:
             del a[rng.choice(list(a))]
-        return f"load {where}", {"kind": "load", "assignment": a}
+        return f"load {where}", self.named({"kind": "load", "assignment": a})
 
     def case(self) -> tuple[str, bytes]:
         import msgspec
@@ -249,7 +262,7 @@ class ControlFuzz:
             req = {"kind": "profile", "model": rng.choice(["", "0:0", self.identity + "x", "x" * 100000, 5, None]),
                    "force": rng.choice([True, False, 1, "yes", None])}
         elif kind in ("unload", "shutdown"):
-            req = {"kind": kind, **({"surprise": _value(rng)} if rng.random() < 0.5 else {})}
+            req = self.named({"kind": kind, **({"surprise": _value(rng)} if rng.random() < 0.5 else {})})
             if kind == "shutdown":
                 req = {**req, "kind": "shutdown", "extra": 1} if rng.random() < 0.5 else ["shutdown"]
                 if isinstance(req, dict):
@@ -374,7 +387,8 @@ def test_fuzzed_messages_leave_the_node_alive_bounded_and_exact(fuzz_node: Any, 
         small = read_layout(small_path)
         small_base = msgspec.structs.replace(base, model=ModelIdentity.of(small, small_path.name),
                                              windows=(WindowSpec(0, 3), WindowSpec(4, 6)))
-        control = ControlFuzz(rng, msgspec.to_builtins(small_base), [layout.identity, small.identity], small.n_layer)
+        control = ControlFuzz(rng, msgspec.to_builtins(small_base), [layout.identity, small.identity], small.n_layer,
+                              msgspec.to_builtins(client.head.tag()))
         loads = 0
         for i in range(CONTROL_CASES):
             what, body = control.case()
@@ -394,6 +408,8 @@ def test_fuzzed_messages_leave_the_node_alive_bounded_and_exact(fuzz_node: Any, 
         print(f"fuzz: {RING_CASES} ring cases ({answered}), {CONTROL_CASES} control cases ({loads} loads started); "
               f"RSS {rss0 / 2**20:.0f} MiB, {grown:+.1f} MiB after")
     finally:
+        with contextlib.suppress(PrimaplugError):
+            client.release()  # the next head (below) deploys at once
         out.close(), inbox.close(), client.close()
         t.close()
 

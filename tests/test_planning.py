@@ -113,30 +113,37 @@ def test_profile_requests_are_checked(nodes, gemma_path: Path) -> None:  # noqa:
         profile = client.profile(read_layout(gemma_path).identity)
         assert profile.name == "node1" and profile.cpu_flops["Q4_K"] > 0 and profile.mem_available_bytes > 0
     finally:
+        client.release()  # the node is this test's head's since it profiled: the next test's head deploys at once
         client.close()
         t.close()
 
 
 def test_a_node_with_windows_loaded_refuses_to_profile(nodes, gemma_path: Path) -> None:  # noqa: ANN001
-    """Its own windows would skew the free memory it reports: the head unloads nodes before profiling."""
+    """Its own windows would skew the free memory it reports: the head unloads nodes before profiling. Another head
+    is refused as long as the head that deployed there runs; once it closes, the node's windows are freed."""
     import primaplug
-    from primaplug.core.errors import NodeError
+    from primaplug.core.errors import NodeError, NodeHeldError
     from primaplug.engine import read_layout
     from primaplug.head import NodeClient
     from primaplug.transport import ZmqTransport
 
+    identity = read_layout(gemma_path).identity
     llm = primaplug.Llama(gemma_path, nodes=nodes.addresses[:1], scheduler="even", node_threads=1, **LLAMA_KWARGS)
-    llm.close()  # the node keeps its windows, ready for the next head
     t = ZmqTransport()
-    client = NodeClient(t, nodes.addresses[0])
+    same, other = NodeClient(t, nodes.addresses[0], head=llm.head), NodeClient(t, nodes.addresses[0])
     try:
-        client.hello()
         with pytest.raises(NodeError, match="unload them before profiling"):
-            client.profile(read_layout(gemma_path).identity)
-        client.unload()
-        assert client.profile(read_layout(gemma_path).identity).name == "node1"
+            same.profile(identity)
+        with pytest.raises(NodeHeldError, match=f"belongs to head {llm.head.id[:8]}"):
+            other.profile(identity)
+        llm.close()  # it lets the node go: its windows are freed
+        assert other.status().state == "idle" and other.status().holder is None
+        assert other.profile(identity).name == "node1"
     finally:
-        client.close()
+        llm.close()
+        other.release()
+        same.close()
+        other.close()
         t.close()
 
 

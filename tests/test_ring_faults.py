@@ -35,20 +35,22 @@ def one_node_ring(gemma_nodes, gemma_path: Path):
     from primaplug.wire import Assignment, ModelIdentity, WindowSpec
 
     layout = read_layout(gemma_path)
-    t = ZmqTransport()
-    client = NodeClient(t, gemma_nodes.addresses[0])
-    client.hello()
-    inbox = t.ring_in("127.0.0.1", 0)
-    ident = ModelIdentity.of(layout, gemma_path.name)
-    a = Assignment(epoch=42, model=ident, windows=(WindowSpec(0, 6),), successor=inbox.address, n_ctx=128,
-                   n_batch=32, n_ubatch=32)
-    client.load(a)
-    while client.status().state != "ready":
-        time.sleep(0.05)
-    out = t.ring_out(client.welcome.ring_endpoint)
-    yield client, out, inbox, a, layout
-    out.close(), inbox.close(), client.close()
-    t.close()
+    t = ZmqTransport()  # closed whatever happens: a context left to the garbage collector can hang its worker
+    try:
+        client = NodeClient(t, gemma_nodes.addresses[0])
+        client.hello()
+        inbox = t.ring_in("127.0.0.1", 0)
+        ident = ModelIdentity.of(layout, gemma_path.name)
+        a = Assignment(epoch=42, model=ident, windows=(WindowSpec(0, 6),), successor=inbox.address, n_ctx=128,
+                       n_batch=32, n_ubatch=32)
+        client.load(a)
+        while client.status().state != "ready":
+            time.sleep(0.05)
+        out = t.ring_out(client.welcome.ring_endpoint)
+        yield client, out, inbox, a, layout
+        client.release()  # the next test's head deploys at once
+    finally:
+        t.close()
 
 
 def _act(seq_id: int = 0, n_rows: int = 3, **kw):

@@ -333,13 +333,14 @@ def test_logprobs_equal_llama_cpp_pythons_server(server: ThreadedServer, gemma_p
         assert np.allclose([t.logprob for t in tg.top_logprobs], [t.logprob for t in tw.top_logprobs], atol=2e-3)
 
 
-def test_embeddings_equal_llama_cpp_pythons_server(gemma_path: Path, nodes: Any) -> None:
+def test_embeddings_equal_llama_cpp_pythons_server(gemma_path: Path, tmp_path: Path) -> None:
     """/v1/embeddings from a ring made with embedding=True (serve --embedding) equals llama-cpp-python's own server
     with embedding=True: an input alone, and a list of inputs. For a list, the reference is each input sent alone:
     llama-cpp-python evaluates a list in one batch and answers every input after the first with other numbers than
     it gives that input alone (Gemma 3 270M: 61 apart, from the first row on, which is the BOS token's in every
     input), which is llama-cpp-python's batching, not the embedding."""
     import primaplug
+    from primaplug.head.launch import LocalNodes
     from primaplug.server import create_app
 
     inputs = ["The sea is deep.", "Rivers run to the sea.", "Mountains are high."]
@@ -349,15 +350,18 @@ def test_embeddings_equal_llama_cpp_pythons_server(gemma_path: Path, nodes: Any)
         want = [theirs.embeddings.create(model="gemma", input=i) for i in inputs]
     finally:
         reference.close()
-    ring = primaplug.Llama(gemma_path, nodes=nodes.addresses, scheduler="even", node_threads=1, embedding=True,
-                           **SERVE_KWARGS)
-    try:
-        with ThreadedServer(create_app(ring, alias="gemma")) as s:
-            client = openai_client(s.url)
-            got = [client.embeddings.create(model="gemma", input=i) for i in inputs]
-            listed = client.embeddings.create(model="gemma", input=inputs[1:])
-    finally:
-        ring.close()
+    # nodes of its own: the module's ring (head A) holds the module's nodes while it lives, and a second head there
+    # would be refused (test_two_heads.py)
+    with LocalNodes(gemma_path, 2, log_dir=tmp_path / "logs") as nodes:
+        ring = primaplug.Llama(gemma_path, nodes=nodes.addresses, scheduler="even", node_threads=1, embedding=True,
+                               **SERVE_KWARGS)
+        try:
+            with ThreadedServer(create_app(ring, alias="gemma")) as s:
+                client = openai_client(s.url)
+                got = [client.embeddings.create(model="gemma", input=i) for i in inputs]
+                listed = client.embeddings.create(model="gemma", input=inputs[1:])
+        finally:
+            ring.close()
     for g, w in zip(got, want, strict=True):
         assert len(g.data) == len(w.data) == 1 and g.usage.prompt_tokens == w.usage.prompt_tokens
         _assert_close(g.data[0].embedding, w.data[0].embedding)

@@ -16,7 +16,9 @@ from primaplug.wire import (
     ErrorReply,
     GetProfile,
     GetStatus,
+    HeadTag,
     Hello,
+    Holder,
     KvOp,
     LoadAssignment,
     ModelIdentity,
@@ -38,8 +40,13 @@ from primaplug.wire import (
 IDENT = ModelIdentity(identity="1000:abcd", file_name="m.gguf", n_layer=18, n_embd=640)
 ASSIGN = Assignment(epoch=7, model=IDENT, windows=(WindowSpec(0, 6), WindowSpec(9, 12, 2)),
                     successor="tcp://127.0.0.1:7001", n_ctx=512, n_batch=64, n_ubatch=32)
+HEAD = HeadTag(id="0123456789abcdef", name="primaplug serve (pid 7) on box", address="tcp://127.0.0.1:9000",
+               started=1.7e9, served=3)
+HOLDER = Holder(head=HEAD, since=1.7e9 + 5, silent_s=0.4, lease_s=10.0)
 REQUESTS = [Hello(proto=PROTOCOL_VERSION, software="0.1.0"), LoadAssignment(assignment=ASSIGN), GetStatus(),
-            GetProfile(model="1000:abcd", force=True), Unload(), Shutdown()]
+            GetProfile(model="1000:abcd", force=True), Unload(), Shutdown(),
+            LoadAssignment(assignment=ASSIGN, head=HEAD, take_over=True), GetStatus(detail=True, head=HEAD),
+            Unload(head=HEAD, release=True), Shutdown(head=HEAD, take_over=True)]
 PROFILE = DeviceProfile(name="a", os="android", backend="cpu", cpu_count=8, cpu_flops={"Q4_K": 2e10, "F32": 5e9},
                         mem_total_bytes=8 << 30, mem_available_bytes=2 << 30, swap_can_bytes=1 << 30,
                         disk_seq_bps=1.4e9, link_latency_s=0.007, link_bps=4e7)
@@ -49,17 +56,26 @@ REPLIES = [
                                mem_available_bytes=1 << 29), ring_endpoint="tcp://127.0.0.1:7001"),
     Status(node="a", state="ready", epoch=7, progress=1.0, message="ready", last_step=3, steps_done=4),
     ErrorReply(node="a", code="wrong_model", message="no"),
+    ErrorReply(node="a", code="held", message="held", holder=HOLDER),
+    Status(node="a", state="ready", epoch=7, holder=HOLDER),
     ProfileReply(node="a", profile=PROFILE),
     ProfileReply(node="a", message="measuring"),
 ]
 ACT = Activation(proto=PROTOCOL_VERSION, epoch=7, step=3, round=1, parts=(Part(0, 10, 2),), width=4,
                  dtype="float32")
 
-GOLDEN = {  # protocol 2: an activation's rows are parts (seq_id, pos0, n_rows, all_rows) of several sequences
-    "hello": "83a46b696e64a568656c6c6fa570726f746f02a8736f667477617265a5302e312e30",
-    "act": "88a46b696e64a3616374a570726f746f02a565706f636807a47374657003a5726f756e6401a570617274739194000a02c2"
+GOLDEN = {  # protocol 3: requests name their head (HeadTag); a node belongs to one head at a time
+    "hello": "83a46b696e64a568656c6c6fa570726f746f03a8736f667477617265a5302e312e30",
+    "act": "88a46b696e64a3616374a570726f746f03a565706f636807a47374657003a5726f756e6401a570617274739194000a02c2"
            "a5776964746804a56474797065a7666c6f61743332",
 }
+
+
+def test_a_holder_is_described_with_what_a_refused_head_needs() -> None:
+    text = HOLDER.describe()
+    for part in ("head 01234567", "primaplug serve (pid 7) on box", "tcp://127.0.0.1:9000", "served 3 request(s)",
+                 "last spoke 0.4 s ago", "since 20"):
+        assert part in text, (part, text)
 
 
 @pytest.mark.parametrize("msg", REQUESTS, ids=lambda m: type(m).__name__)

@@ -97,6 +97,10 @@ def ring_flags(p: argparse.ArgumentParser, *, deploys: bool = True, ctx_size: in
                             "even; without nodes, of each of the head's windows on this device's GPU (default 0; "
                             "the other schedulers choose GPU layers from each device's profile)")
     if deploys:
+        p.add_argument("--take-over", action="store_true",
+                       help="deploy even on nodes that another head holds (a node belongs to the head that deployed "
+                            "it while that head runs; without this flag another head is refused, naming it); that "
+                            "head reports its nodes taken and takes them back once this one ends")
         draft_flags(p)
     p.add_argument("--keys", help="cluster key file (primaplug keygen); needed for nodes off this machine")
     p.add_argument("--listen", default=RUN.listen, help="address the head receives the ring's output on")
@@ -140,11 +144,15 @@ def node_addresses(args: argparse.Namespace, path: Path) -> Iterator[list[str]]:
 
     with tempfile.TemporaryDirectory(prefix="primaplug-nodes-") as logs:
         t0 = time.perf_counter()
-        with LocalNodes(path, args.local_nodes, log_dir=logs) as local:
+        local = LocalNodes(path, args.local_nodes, log_dir=logs)
+        local.start()  # stops what it started if it fails
+        try:
             say(f"started {args.local_nodes} local nodes in {time.perf_counter() - t0:.1f} s: "
                 + ", ".join(f"{n.name} {n.address} (pid {n.pid})" for n in local.nodes))
             yield local.addresses
-        say(f"stopped the {args.local_nodes} local nodes")
+        finally:  # however the run ends: done, an error, Ctrl-C, SIGTERM
+            local.stop()
+            say(f"stopped the {args.local_nodes} local nodes")
 
 
 @contextlib.contextmanager
@@ -233,7 +241,7 @@ def ring_llama(args: argparse.Namespace, path: Path, kwargs: dict[str, Any]) -> 
                     plan_settings=plan_settings(args), keys=args.keys, listen=args.listen, timeout_s=args.timeout,
                     node_threads=args.node_threads, node_gpu_layers=args.n_gpu_layers, events=events,
                     n_threads=args.threads, draft_model=args.model_draft, draft_max=args.draft_max,
-                    draft_min=args.draft_min, node_candidates=candidates, **kwargs)
+                    draft_min=args.draft_min, node_candidates=candidates, take_over=args.take_over, **kwargs)
         try:
             yield llm
         finally:
@@ -271,7 +279,7 @@ class EventLines:
                 frac = event.progress
                 self._bar(event.node, f"{event.node}: [{'#' * int(frac * 20):<20}] {frac * 100:3.0f}% "
                                       f"{event.state}: {event.message}")
-            case NodeProgress(state="failed" | "left"):
+            case NodeProgress(state="failed" | "left" | "taken"):
                 self._line(f"{event.node} {event.state}: {event.message}")
             case Notice():
                 self._line(event.message)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,15 +54,20 @@ def add_parser(sub: Any) -> None:
                       help="hold Termux's wake lock (termux-wake-lock) while the node runs, so that Android does not "
                       "suspend it with the screen off: on, off, or auto: on under Termux (default "
                       f"{DEFAULT_WAKE_LOCK}; docs/platforms.md)")
+    node.add_argument("--exit-with-parent", action="store_true",
+                      help="stop when the process that started this node ends (how a head's --local-nodes go with it, "
+                      "however it ends)")
     node.add_argument("--release-after", type=float, default=HEAD_SILENCE_S, metavar="SECONDS",
                       help="free the loaded windows after this long without a word from any head (it has gone), "
                       f"and go idle until one deploys again; 0: never (default {HEAD_SILENCE_S:g})")
     node.set_defaults(func=main)
 
 
+log = logging.getLogger("primaplug.node")
+
+
 def main(args: argparse.Namespace) -> int:
     import platform
-    import signal
 
     from primaplug.engine import bindings_only
 
@@ -83,12 +91,12 @@ def main(args: argparse.Namespace) -> int:
                             name=args.name or platform.node(), secure=keys is not None, memory=memory,
                             profile_dir=Path(args.profile_dir) if args.profile_dir else None,
                             pin_threads={"auto": None, "0": False, "1": True}[args.cpu_strict],
-                            release_after_s=args.release_after)
+                            release_after_s=args.release_after, exit_with_parent=args.exit_with_parent)
     transport = ZmqTransport(keys)
     try:
         node = Node(settings, transport)
-        signal.signal(signal.SIGTERM, lambda *_: node.stop())
-        signal.signal(signal.SIGINT, lambda *_: node.stop())
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _on_signal(node))
         ring = node.ring.address
         ctl_host, _, ctl_port = node.control.address.rpartition(":")
         with WakeLock(args.wake_lock):  # before "ready": a required lock that fails stops the node first
@@ -99,9 +107,32 @@ def main(args: argparse.Namespace) -> int:
             finally:
                 if advertiser is not None:
                     advertiser.close()
+        if node.lingering():  # a compute or a load that did not finish in time: the process's exit frees it
+            logging.shutdown()
+            os._exit(0)
     finally:
         transport.close()
     return 0
+
+
+def _on_signal(node: Any) -> Callable[[int, Any], None]:
+    """SIGTERM or SIGINT: the node frees its windows and exits, whatever it is doing. The kernel ends the process
+    STOP_DEADLINE_S later if that hangs (SIGALRM's default action needs no Python code to run), and a second signal
+    ends it at once."""
+    from primaplug.core.settings import STOP_DEADLINE_S
+
+    def handle(signum: int, _frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if node.stopping:
+            log.warning("node %s: %s again: exiting now", node.name, name)
+            logging.shutdown()
+            os._exit(128 + signum)
+        log.warning("node %s: %s: stopping (the process ends within %d s)", node.name, name, STOP_DEADLINE_S)
+        if hasattr(signal, "alarm"):
+            signal.alarm(STOP_DEADLINE_S)
+        node.stop(name)
+
+    return handle
 
 
 def _advertise(args: argparse.Namespace, name: str, host: str, port: int, ring: str, keys: Any) -> Any:

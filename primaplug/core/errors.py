@@ -52,6 +52,15 @@ class NodeError(PrimaplugError):
         super().__init__(f"node {node}: {message}")
 
 
+class NodeHeldError(NodeError):
+    """A node belongs to another head, which deployed there and still speaks to it. `holder` is that head as the node
+    described it (wire.Holder)."""
+
+    def __init__(self, node: str, message: str, holder: object) -> None:
+        self.holder = holder
+        super().__init__(node, "held", message)
+
+
 class NodeUnavailableError(PrimaplugError):
     """A node stopped answering: it died, hung, or its network went away."""
 

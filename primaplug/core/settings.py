@@ -26,6 +26,14 @@ HEAD_SILENCE_S = 300.0
 # While a head runs, it asks every node of its ring for a status this often (its heartbeat): a node that restarted,
 # went silent or came back is noticed between requests, and a node knows its head is still there.
 HEARTBEAT_S = 1.0
+# A node belongs to the head that deployed it while that head keeps speaking (node/owner.py): another head is refused
+# until the holder closes (it lets its nodes go) or has been silent this long (ten heartbeats: it died, or its network
+# went away). A head refused by a holder already silent for HELD_WAIT_AFTER_S waits out the rest of the lease.
+HEAD_LEASE_S = 10.0
+HELD_WAIT_AFTER_S = 3.0
+# A node asked to stop (SIGTERM, SIGINT, Shutdown) frees its windows and exits; whatever it is doing (a load, a
+# window's compute, a send to a successor that is gone), the process ends within this many seconds.
+STOP_DEADLINE_S = 10
 DEFAULT_PORT = 7000  # a node's control port; its ring listens on the next one
 # `primaplug node --wake-lock` (node/wakelock.py; docs/platforms.md): hold Termux's wake lock while the node runs.
 # auto: under Termux only, going on without it when it cannot be had; on: required; off: never.

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
@@ -24,6 +24,7 @@ from primaplug.core.settings import LOAD_TIMEOUT_S, RunSettings
 from primaplug.core.windows import LayerRange, even_split, execution_order, ring_windows
 from primaplug.device import DeviceWindows
 from primaplug.head.events import Deployed, Events, NodeMetrics, NodeProgress
+from primaplug.head.identity import Head
 from primaplug.head.nodes import NodeClient
 from primaplug.head.ring import RingHead
 from primaplug.scheduler import Plan
@@ -48,6 +49,16 @@ _RUN = RunSettings()
 # connects to instead: lets an emulated cluster put a slow link in between
 Route = Callable[[str, str], str]
 HEAD = "head"
+RELEASE_TIMEOUT_S = 1.0  # a head that closes waits this long for each node to let it go (a lost one never answers)
+
+
+@dataclass
+class Survey:
+    """What asking the ring's nodes found (Cluster.survey)."""
+
+    lost: list[NodeClient] = field(default_factory=list)  # silent
+    stale: list[NodeClient] = field(default_factory=list)  # free, without this ring's windows (restarted, freed)
+    taken: list[tuple[NodeClient, str]] = field(default_factory=list)  # held by another head: (node, that head)
 
 
 @dataclass(frozen=True)
@@ -88,10 +99,11 @@ def held_models(welcome: Welcome) -> str:
 
 
 class Cluster:
-    """The nodes of one ring and their assignment. Close it to disconnect (nodes keep running)."""
+    """The nodes of one ring and their assignment, for one head (`head`, default a new one: every request names it,
+    and a node belongs to one head at a time). Close it to let the nodes go (they keep running, free for any head)."""
 
     def __init__(self, transport: Transport, settings: ClusterSettings, model: ModelIdentity,
-                 events: Events | None = None) -> None:
+                 events: Events | None = None, head: Head | None = None) -> None:
         hosts = [split_address(a)[0] for a in settings.nodes]
         if settings.nodes and transport.keys is None and not is_loopback(settings.listen):
             raise ConfigError(f"refusing to listen on {settings.listen} without encryption, as nodes do: make a "
@@ -105,15 +117,22 @@ class Cluster:
                                   "this device's address on the nodes' network")
         self.transport, self.settings, self.model = transport, settings, model
         self.events = events or Events()
-        self.nodes = [NodeClient(transport, a, settings.timeout_s) for a in settings.nodes]
+        self.head = head or Head()
         # the ring's output comes back here; a head without nodes has no ring to listen to
         self.ring_in: RingIn | None = transport.ring_in(settings.listen, 0) if settings.nodes else None
+        if self.ring_in is not None:
+            self.head.address = self.ring_in.address
+        self.nodes = [self.client(a) for a in settings.nodes]
         self.epoch = int(time.time() * 1000)
         self.head_ranges: list[LayerRange] = []
         self.node_ranges: list[list[LayerRange]] = []
         self.node_gpu: list[int] = []  # per node: layers of each of its windows on its GPU
         self.head_gpu = 0  # layers of each of the head's windows on its GPU
         self._outs: list[RingOut] = []
+
+    def client(self, address: str) -> NodeClient:
+        """A control connection to the node at `address`, for this cluster's head."""
+        return NodeClient(self.transport, address, self.settings.timeout_s, head=self.head)
 
     @property
     def _head_in(self) -> RingIn:
@@ -247,6 +266,8 @@ class Cluster:
         for n in self.nodes:
             if all(n is not k for k, _ in keep):
                 self.events.publish(NodeProgress(n.name, "left", 0.0, "the plan runs faster without it"))
+                with contextlib.suppress(NodeError, NodeUnavailableError, ProtocolError):
+                    n.release(RELEASE_TIMEOUT_S)  # profiled by this head: let it go for others
                 n.close()
         self.nodes = [n for n, _ in keep]
         self.node_ranges = [list(d.windows) for _, d in keep]
@@ -341,36 +362,39 @@ class Cluster:
         """Each node's layers per round, in ring order."""
         return [r[0].n_layers for r in self.node_ranges]
 
-    def survey(self, timeout_s: float, skip: Sequence[NodeClient] = ()) -> tuple[list[NodeClient], list[NodeClient]]:
-        """(lost, stale): the nodes (but those to skip) that do not answer within timeout_s, and those that answer
-        without this assignment loaded (restarted, or freed their windows)."""
-        lost, stale = [], []
+    def survey(self, timeout_s: float, skip: Sequence[NodeClient] = ()) -> Survey:
+        """Ask every node (but those to skip) for its status: those that do not answer within timeout_s are lost,
+        those that another head holds now are taken, and those that answer without this assignment loaded (restarted,
+        or freed their windows) are stale."""
+        found = Survey()
         for n in self.nodes:
             if any(n is m for m in skip):
                 continue
             try:
                 st = n.status(timeout_s=timeout_s)
             except (NodeError, NodeUnavailableError, ProtocolError):
-                lost.append(n)
+                found.lost.append(n)
                 continue
-            if st.state != "ready" or st.epoch != self.epoch:
-                stale.append(n)
-        return lost, stale
+            by = n.taken_by(st)
+            if by is not None:
+                found.taken.append((n, by))
+            elif st.state != "ready" or st.epoch != self.epoch:
+                found.stale.append(n)
+        return found
 
     def reform(self, nodes: list[NodeClient], sizes: Sequence[int], gpu: Sequence[int],
                lost: Sequence[NodeClient] = ()) -> None:
         """Deploy the ring again under a new assignment over `nodes` (in ring order) with `sizes` layers per round
         each; the head keeps its windows (so it keeps its model, which every request's context reads), and nodes
-        that leave, but for the `lost` ones (asking them would only wait out the timeout), are asked to free
-        theirs."""
+        that leave are let go (they free their windows), but for the `lost` ones (asking them would only wait out the
+        timeout, and they free their windows themselves) and those another head took."""
         ranges = ring_windows([*sizes, self.head_size], self.rounds, self.model.n_layer)
         if [r for r in ranges[-1] if r.n_layers] != [r for r in self.head_ranges if r.n_layers]:
             raise ConfigError(f"a re-formed ring must leave the head its windows {self.head_ranges}, got {ranges[-1]}")
         for n in self.nodes:
             if all(n is not m for m in nodes) and all(n is not m for m in lost):
-                # a lost one frees its windows itself once the head has been silent long enough
                 with contextlib.suppress(NodeError, NodeUnavailableError, ProtocolError):
-                    n.unload()
+                    n.release()
         self.nodes, self.node_ranges, self.node_gpu = list(nodes), ranges[:-1], list(gpu)
         self.epoch = max(int(time.time() * 1000), self.epoch + 1)
         self.deploy()
@@ -388,7 +412,17 @@ class Cluster:
             except (NodeError, NodeUnavailableError) as e:
                 log.warning("%s", e)
 
+    def release(self, timeout_s: float = RELEASE_TIMEOUT_S) -> None:
+        """Let every node go that this head used: each frees its windows, and any head may deploy there at once."""
+        for n in self.nodes:
+            try:
+                n.release(timeout_s)
+            except (NodeError, NodeUnavailableError, ProtocolError) as e:  # gone, or taken: nothing of ours is there
+                log.info("%s", e)
+
     def close(self) -> None:
+        """Let the nodes go (release) and disconnect."""
+        self.release()
         for n in self.nodes:
             n.close()
         for out in self._outs:

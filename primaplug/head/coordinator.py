@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +30,7 @@ from primaplug.decoding import check_draft_length
 from primaplug.engine import ModelLayout, read_layout
 from primaplug.head.cluster import Cluster, ClusterSettings, describe_device, held_models, unique_names
 from primaplug.head.events import Event, Events, NodeMetrics, NodeProgress, Notice, Planned
+from primaplug.head.identity import Head
 from primaplug.head.nodes import NodeClient
 from primaplug.head.planning import Measured, PlanSettings, draft_bytes, measure, plan_with_speculation
 from primaplug.scheduler import SCHEDULERS, Plan, alternatives, check_gpu_layers, placement, solve
@@ -88,6 +89,7 @@ class _Watch:
     clients: dict[str, NodeClient] = field(default_factory=dict)
     busy: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (time, busy_s) at the last poll
     down: set[str] = field(default_factory=set)
+    held: dict[str, str | None] = field(default_factory=dict)  # name -> the other head that holds it, None if none
 
 
 class Coordinator:
@@ -122,6 +124,9 @@ class Coordinator:
         self._owns_transport = transport is None
         self.transport = transport or ZmqTransport(load_keys(keys) if keys else None)
         self.nodes: dict[str, NodeEntry] = {a: NodeEntry(a) for a in addresses}
+        # the dashboard is one head: what it profiles, the ring it deploys and its watch all name this identity, so
+        # the nodes it profiled are already its ring's, and another head is refused while it runs
+        self.head = Head()
         self.measured: Measured | None = None
         self.choice: PlanChoice | None = None
         self.llm: Llama | None = None
@@ -176,7 +181,7 @@ class Coordinator:
 
     def _hello(self, e: NodeEntry) -> None:
         self.events.publish(NodeProgress(e.label, "connecting", 0.0, f"connecting to {e.address}"))
-        client = NodeClient(self.transport, e.address, self.timeout_s)
+        client = NodeClient(self.transport, e.address, self.timeout_s, head=self.head)
         try:
             welcome = client.hello()
         except PrimaplugError as err:
@@ -198,7 +203,7 @@ class Coordinator:
         settings = ClusterSettings(nodes=tuple(e.address for e in entries), n_ctx=self.n_ctx, n_batch=self.n_batch,
                                    n_ubatch=self.n_ubatch, n_threads=self.node_threads, listen=self.listen,
                                    timeout_s=self.timeout_s)
-        return Cluster(self.transport, settings, self.model, self.events)
+        return Cluster(self.transport, settings, self.model, self.events, self.head)
 
     def profile(self, force: bool = False) -> Measured:
         """Profile the model, the head, every usable node and the ring's links. Once that is done, nodes added
@@ -309,6 +314,16 @@ class Coordinator:
 
     # --- running ---------------------------------------------------------------------------------------------
 
+    def take_over(self, then: Callable[[], Any]) -> Any:
+        """Run `then` (profile, plan, deploy) taking the nodes from whichever head holds them, on purpose (T in the
+        dashboard); that head reports them taken and takes them back once this one lets them go."""
+        with self._lock:
+            self.head.take_over = True
+            try:
+                return then()
+            finally:
+                self.head.take_over = False
+
     def deploy(self, plan: Plan | None = None, **llama_kwargs: Any) -> Llama:
         """Deploy a plan (default: the last one made) as a primaplug.Llama; a ring deployed before is stopped."""
         from primaplug.head.llama import Llama
@@ -340,7 +355,8 @@ class Coordinator:
                                  keys=self.keys,
                                  listen=self.listen, timeout_s=self.timeout_s, node_threads=self.node_threads,
                                  events=self.events, transport=self.transport, draft_model=self.draft_model,
-                                 draft_max=self.draft_max, draft_min=self.draft_min, **llama_kwargs)
+                                 draft_max=self.draft_max, draft_min=self.draft_min, head=self.head,
+                                 take_over=self.head.take_over, **llama_kwargs)
             except (NodeError, NodeUnavailableError) as err:
                 self._mark_failed(err)
                 raise
@@ -348,7 +364,7 @@ class Coordinator:
             return self.llm
 
     def undeploy(self) -> None:
-        """Stop the ring (the nodes keep running, their windows loaded until another assignment)."""
+        """Stop the ring: the nodes free their windows and keep running, free for any head."""
         with self._lock:
             if self.llm is not None:
                 self.llm.close()
@@ -383,7 +399,8 @@ class Coordinator:
                 continue
             client = self._watch.clients.get(e.address)
             if client is None:
-                client = self._watch.clients[e.address] = NodeClient(self.transport, e.address, self.timeout_s + 2.0)
+                client = self._watch.clients[e.address] = NodeClient(self.transport, e.address, self.timeout_s + 2.0,
+                                                                     head=self.head)
                 client.name = e.name
             try:
                 status = client.status(detail=deployed)
@@ -402,6 +419,13 @@ class Coordinator:
                 e.error = ""
                 self.events.publish(NodeProgress(e.name, "connected", 0.0, f"answers again ({status.state}); "
                                                  "deploy again to use it"))
+            by = client.taken_by(status)
+            if by != self._watch.held.get(e.name):  # held by another head, or free again: say so once
+                self._watch.held[e.name] = by
+                if by is not None:
+                    self.events.publish(NodeProgress(e.name, "taken", 0.0, f"held by {by}: T takes it over"))
+                elif not deployed:
+                    self.events.publish(NodeProgress(e.name, "connected", 0.0, "free again"))
             self.events.publish(NodeMetrics(e.name, status, self._busy_share(e.name, status)))
 
     def _busy_share(self, name: str, status: Status) -> float:

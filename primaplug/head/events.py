@@ -24,7 +24,7 @@ class NodeProgress:
     """A node's state changed, or it made progress: connecting, profiling itself, loading its windows."""
 
     node: str
-    state: str  # "connected", "profiling", "loading", "ready", "failed", "left"
+    state: str  # "connected", "profiling", "loading", "ready", "failed", "left", "taken" (by another head)
     progress: float = 0.0  # 0 to 1, within the state
     message: str = ""
 
@@ -138,7 +138,8 @@ def apply(view: ClusterView, event: Event) -> ClusterView:
     match event:
         case NodeProgress(node=node):
             old = view.nodes.get(node, NodeView())
-            new = replace(old, state=event.state, progress=event.progress, message=event.message)
+            new = replace(old, state=event.state, progress=event.progress, message=event.message,
+                          windows=() if event.state == "taken" else old.windows)
             return replace(view, nodes={**view.nodes, node: new})
         case NodeMetrics(node=node):
             old = view.nodes.get(node, NodeView())

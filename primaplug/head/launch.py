@@ -83,7 +83,7 @@ class LocalNodes:
             name = self.names[i]
             log_path = self.log_dir / f"{name}.log"
             cmd = [sys.executable, "-m", "primaplug", "node", "--model", str(self.models[i]), "--listen",
-                   "127.0.0.1:0", "--name", name, *self.extra_args, *self.node_args[i]]
+                   "127.0.0.1:0", "--name", name, "--exit-with-parent", *self.extra_args, *self.node_args[i]]
             with open(log_path, "w") as err:
                 proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
                                         preexec_fn=_child_setup(self.preexec[i]))
@@ -139,12 +139,17 @@ class LocalNodes:
 
 def _child_setup(then: Callable[[], None] | None) -> Callable[[], None]:
     """Runs in each node child before exec: on Linux's kernel (Android's too) the node gets SIGTERM when its
-    launcher dies, even by SIGKILL, so no node outlives the process that started it; then the caller's own setup."""
+    launcher dies, even by SIGKILL, so no node outlives the process that started it; then the caller's own setup.
+    Elsewhere, and should the launcher die before the child asked for that signal, the node's --exit-with-parent
+    sees its parent change and stops."""
     pdeathsig = linux_kernel()
+    launcher = os.getpid()
 
     def setup() -> None:
         if pdeathsig:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+            if os.getppid() != launcher:  # it died before the line above: no signal will come
+                os._exit(1)
         if then is not None:
             then()
 

@@ -29,8 +29,9 @@ from primaplug.engine.speculative import Speculation, draft_token_seconds, open_
 from primaplug.head.batching import Batcher
 from primaplug.head.cluster import Cluster, ClusterSettings, Route
 from primaplug.head.events import Events, Notice, Reformed
+from primaplug.head.identity import Head
 from primaplug.head.planning import PlanSettings, draft_bytes, measure, plan_cluster, plan_with_speculation
-from primaplug.head.recovery import Recovery, Replanner
+from primaplug.head.recovery import Driver, Recovery, Replanner
 from primaplug.head.session import Session
 from primaplug.head.slots import Slots
 from primaplug.memory.prefetcher import Switches
@@ -95,6 +96,12 @@ class Llama(RingLlama):
             ring together (head/batching.py); each gets the tokens it gets alone.
         ring_trips: trips in the ring at once when several requests are in flight (0: one per device, or one when
             a device streams its windows, so that a window streamed once serves every request waiting at it).
+        take_over: deploy even on nodes that another head holds (a node belongs to the head that deployed it while
+            that head runs: another head is refused, naming it). That head then reports its nodes taken over and
+            waits; it takes them back once this Llama closes. Only the first deployment takes over: re-formings
+            never do.
+        head: this head's identity as the nodes know it (default: a new one); the dashboard's coordinator passes its
+            own, so that the nodes it profiled are already its Llama's.
         node_candidates: addresses of nodes that may join while this Llama runs, asked at every heartbeat (the nodes
             found on the network: primaplug.discovery). Whatever the source, a node lost from the ring that answers
             again rejoins, and a node that restarts is loaded again: the ring is re-planned and deployed when no
@@ -129,6 +136,8 @@ class Llama(RingLlama):
         n_parallel: int = _RUN.n_parallel,
         ring_trips: int = _RUN.ring_trips,
         node_candidates: Callable[[], Sequence[str]] | None = None,
+        take_over: bool = False,
+        head: Head | None = None,
         **kwargs: Any,
     ) -> None:
         nodes = tuple(nodes or ())
@@ -171,6 +180,8 @@ class Llama(RingLlama):
                               "needs a row of a batch; raise n_batch (-b) or lower --parallel")
         kwargs["n_threads"] = threads = head_threads(kwargs.get("n_threads") or 0, bool(nodes))
         self.events = events or Events()
+        self.head = head or Head()
+        self.head.take_over = take_over
         self._owns_transport = transport is None
         self._transport: Transport | None = transport or ZmqTransport(load_keys(keys) if keys else None)
         settings = ClusterSettings(nodes=nodes, layers=tuple(layers) if layers else None, rounds=rounds or 1,
@@ -186,7 +197,7 @@ class Llama(RingLlama):
         reserved = draft_bytes(draft_model, n_ctx, n_batch, n_ubatch)
         try:
             self._cluster = cluster = Cluster(self._transport, settings, ModelIdentity.of(layout, path.name),
-                                              self.events)
+                                              self.events, self.head)
             cluster.connect()
             if plan is not None:
                 self.plan = plan
@@ -220,6 +231,7 @@ class Llama(RingLlama):
                     self.events.publish(Notice(self.plan.speculation.describe()))  # type: ignore[union-attr]
             replanner = Replanner.of(cluster, measured, ps) if planned else Replanner.of(cluster, None, None)
             cluster.deploy()
+            self.head.take_over = False  # taken once, on purpose; never again behind the user's back
             model = self._device.model
             output = model.window(layout.n_layer, layout.n_layer, settings=dataclasses.replace(
                 context, n_ctx=n_ctx, n_seq_max=1, poll=0))
@@ -265,8 +277,8 @@ class Llama(RingLlama):
         return self._slots.waiting
 
     @property
-    def _batcher(self) -> Batcher:
-        """The ring's driver now (a re-formed ring has a new one)."""
+    def _batcher(self) -> Driver:
+        """The ring's driver now (a re-formed ring has a new one; a broken one while it cannot be)."""
         return self._recovery.current()
 
     @property
@@ -283,6 +295,7 @@ class Llama(RingLlama):
         try:
             yield slot
         finally:
+            self.head.served += 1  # the nodes hear it with the next request (who holds them, and what it did)
             self._slots.release(slot)
             self._batcher.idle(slot._session.seq_id)
 

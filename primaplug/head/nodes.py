@@ -8,9 +8,10 @@ import time
 from collections.abc import Callable
 
 from primaplug import __version__
-from primaplug.core.errors import NodeError, NodeUnavailableError, ProtocolError
+from primaplug.core.errors import NodeError, NodeHeldError, NodeUnavailableError, ProtocolError
 from primaplug.core.profiles import DeviceProfile
-from primaplug.core.settings import LOAD_TIMEOUT_S, TIMEOUT_S
+from primaplug.core.settings import HELD_WAIT_AFTER_S, LOAD_TIMEOUT_S, TIMEOUT_S
+from primaplug.head.identity import Head
 from primaplug.transport import ControlClient, Transport, endpoint, split_address
 from primaplug.wire import (
     PROTOCOL_VERSION,
@@ -21,6 +22,7 @@ from primaplug.wire import (
     GetProfile,
     GetStatus,
     Hello,
+    Holder,
     LoadAssignment,
     ProfileReply,
     Shutdown,
@@ -35,10 +37,15 @@ log = logging.getLogger(__name__)
 
 
 class NodeClient:
-    """The control channel to one node, named by its HOST:PORT address."""
+    """The control channel to one node, named by its HOST:PORT address, for one head (`head`: every request names it;
+    default: a head of its own)."""
 
-    def __init__(self, transport: Transport, address: str, timeout_s: float = TIMEOUT_S) -> None:
+    def __init__(self, transport: Transport, address: str, timeout_s: float = TIMEOUT_S, *,
+                 head: Head | None = None) -> None:
         self.address = address
+        self.head = head or Head()
+        self.claimed = False  # whether the node accepted a load, unload or profile from this head (it holds it)
+        self.closed = False
         self.timeout_s = timeout_s
         self.client: ControlClient = transport.control_client(endpoint(*split_address(address)))
         self.name = address  # replaced by the node's own name after hello()
@@ -53,6 +60,20 @@ class NodeClient:
         return self.name if self.name == self.address else f"{self.name} ({self.address})"
 
     def _ask(self, req: ControlRequest, timeout_s: float | None = None) -> ControlReply:
+        try:
+            return self._ask_once(req, timeout_s)
+        except NodeHeldError as e:
+            h = e.holder
+            if not isinstance(h, Holder) or h.silent_s < HELD_WAIT_AFTER_S:
+                raise
+            # its holder stopped speaking: it likely died (a killed head cannot let its nodes go); its lease ends soon
+            wait = max(0.0, h.lease_s - h.silent_s) + 0.2
+            log.warning("node %s belongs to %s; waiting %.1f s for that head's lease to lapse", self, h.describe(),
+                        wait)
+            time.sleep(wait)
+            return self._ask_once(req, timeout_s)
+
+    def _ask_once(self, req: ControlRequest, timeout_s: float | None = None) -> ControlReply:
         t = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
             body = self.client.request(encode(req), t)
@@ -64,7 +85,11 @@ class NodeClient:
                                        "(is it running, and does it hold the same cluster key?)")
         reply = decode_reply(body)
         if isinstance(reply, ErrorReply):
+            if reply.code == "held":
+                raise NodeHeldError(str(self), reply.message, reply.holder)
             raise NodeError(str(self), reply.code, reply.message)
+        if isinstance(req, LoadAssignment | Unload | GetProfile) and not getattr(req, "release", False):
+            self.claimed = True
         return reply
 
     def hello(self) -> Welcome:
@@ -82,18 +107,24 @@ class NodeClient:
         return reply
 
     def load(self, assignment: Assignment) -> Status:
-        return self._status_reply(LoadAssignment(assignment=assignment))
+        return self._status_reply(LoadAssignment(assignment=assignment, head=self.head.tag(),
+                                                 take_over=self.head.take_over))
 
     def status(self, detail: bool = False, timeout_s: float | None = None) -> Status:
         """The node's state; with detail, also its memory measurements (prefetch, faults, residency, pressure)."""
-        return self._status_reply(GetStatus(detail=detail), timeout_s)
+        return self._status_reply(GetStatus(detail=detail, head=self.head.tag()), timeout_s)
+
+    def taken_by(self, status: Status) -> str | None:
+        """Who holds the node, in a sentence, when that is another head than this one (None when free or ours)."""
+        h = status.holder
+        return h.describe() if h is not None and h.head.id != self.head.id else None
 
     def profile(self, model: str, *, force: bool = False, timeout_s: float = LOAD_TIMEOUT_S,
                 progress: Callable[[str], None] | None = None) -> DeviceProfile:
         """The node's DeviceProfile for the model of that identity, waiting while the node measures itself."""
         deadline = time.monotonic() + timeout_s
         while True:
-            reply = self._ask(GetProfile(model=model, force=force))
+            reply = self._ask(GetProfile(model=model, force=force, head=self.head.tag(), take_over=self.head.take_over))
             if not isinstance(reply, ProfileReply):
                 raise ProtocolError(f"node {self} answered GetProfile with {type(reply).__name__}")
             if reply.profile is not None:
@@ -106,10 +137,17 @@ class NodeClient:
             time.sleep(0.2)
 
     def unload(self) -> Status:
-        return self._status_reply(Unload())
+        return self._status_reply(Unload(head=self.head.tag(), take_over=self.head.take_over))
+
+    def release(self, timeout_s: float | None = None) -> None:
+        """Free the node's windows and let it go, so that another head may deploy there at once: a head that
+        closes. Nothing to do for a node this head never used."""
+        if self.claimed and not self.closed:  # a client closed already (a lost node's) has nothing to say
+            self._status_reply(Unload(head=self.head.tag(), release=True), timeout_s)
+            self.claimed = False
 
     def shutdown(self) -> Status:
-        return self._status_reply(Shutdown())
+        return self._status_reply(Shutdown(head=self.head.tag(), take_over=self.head.take_over))
 
     # --- probing while the ring computes: a status request that does not block ---------------------------
 
@@ -117,7 +155,7 @@ class NodeClient:
         """Ask for a status without waiting; poll_probe() collects it."""
         with self._lock:
             if self._probe is None:
-                self._probe = self.client.send(encode(GetStatus()))
+                self._probe = self.client.send(encode(GetStatus(head=self.head.tag())))
 
     def poll_probe(self) -> Status | None:
         with self._lock:
@@ -136,4 +174,5 @@ class NodeClient:
 
     def close(self) -> None:
         with self._lock:
+            self.closed = True
             self.client.close()

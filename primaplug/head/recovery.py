@@ -3,8 +3,10 @@
 A request whose batch fails because a node went silent or lost its windows (head/session.py) asks Recovery for a
 ring to go on with. Recovery re-forms it, once for every request in flight:
 
-1. survey: ask every node of the ring for its status (a short timeout): the silent ones are lost; those that answer
-   without the assignment (restarted, or freed their windows) are loaded again;
+1. survey: ask every node of the ring for its status (a short timeout): the silent ones are lost; those another head
+   holds now (it took them over on purpose, --take-over) are taken: they are left alone, never loaded over, until
+   that head lets them go; those that answer free and without the assignment (restarted, or freed their windows) are
+   loaded again;
 2. re-plan the nodes there are, with nodes that appeared meanwhile (a lost one back, one discovered): with the
    scheduler and the profiles measured at the start when the ring was planned, else the split by hand rescaled to
    them; the head keeps its windows (every request's context reads its model);
@@ -14,7 +16,9 @@ ring to go on with. Recovery re-forms it, once for every request in flight:
 
 When no request runs, a heartbeat thread asks every node for its status every HEARTBEAT_S (which also tells nodes
 their head is there): a node that restarted, went silent or came back is re-planned at once, so the next request
-finds a working ring. Each re-forming is published (events.Reformed), with where its time went.
+finds a working ring. Each re-forming is published (events.Reformed), with where its time went. When the nodes
+left cannot run the model (every node taken, say), the ring waits broken (`problem()` says why, and requests fail
+with it) and the heartbeat re-forms it as soon as the nodes are free again.
 """
 
 from __future__ import annotations
@@ -24,15 +28,16 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
 import numpy as np
 
 from primaplug.core.errors import NodeError, NodeUnavailableError, PrimaplugError, ProtocolError
-from primaplug.core.settings import HEARTBEAT_S
+from primaplug.core.settings import HEAD_LEASE_S, HEARTBEAT_S
 from primaplug.head.batching import Batcher
 from primaplug.head.cluster import Cluster, unique_names
-from primaplug.head.events import Notice, Reformed
+from primaplug.head.events import NodeProgress, Notice, Reformed
 from primaplug.head.nodes import NodeClient
 from primaplug.head.planning import Measured, PlanSettings
 from primaplug.scheduler import solve
@@ -131,17 +136,43 @@ class Replanner:
         return kept, sizes, gpu, how
 
 
+class Driver(Protocol):
+    """What the head's requests call on the ring's driver (head/batching.py: Batcher): a session's forward and
+    kv_remove (head/session.py: Ring), a request's end (idle), and the heartbeat's look (busy)."""
+
+    epoch: int
+
+    @property
+    def busy(self) -> bool: ...
+
+    def forward(self, tokens: Sequence[int], pos0: int, *, seq_id: int = 0, all_rows: bool = False,
+                hidden: bool = False) -> np.ndarray: ...
+
+    def kv_remove(self, seq_id: int, p0: int = 0, p1: int = -1) -> None: ...
+
+    def idle(self, seq_id: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class _Broken:
-    """The ring after a re-forming that failed: every call asks for another try."""
+    """The ring after a re-forming that failed, or while another head holds its nodes: a Driver whose every step
+    fails with why (code "reform_failed", or "taken"), until the next re-forming replaces it."""
 
-    def __init__(self, epoch: int, why: str) -> None:
-        self.epoch, self.why = epoch, why
+    busy = False  # nothing in flight: the heartbeat may survey the nodes
 
-    def forward(self, *_: object, **__: object) -> np.ndarray:
-        raise NodeError("ring", "reform_failed", self.why)
+    def __init__(self, epoch: int, why: str, code: str = "reform_failed") -> None:
+        self.epoch, self.why, self.code = epoch, why, code
 
-    def kv_remove(self, *_: object, **__: object) -> None:
-        raise NodeError("ring", "reform_failed", self.why)
+    def forward(self, tokens: Sequence[int], pos0: int, *, seq_id: int = 0, all_rows: bool = False,
+                hidden: bool = False) -> np.ndarray:
+        raise NodeError("ring", self.code, self.why)
+
+    def kv_remove(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
+        raise NodeError("ring", self.code, self.why)
+
+    def idle(self, seq_id: int) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -156,16 +187,19 @@ class Recovery:
     def __init__(self, cluster: Cluster, first: Batcher, open_ring: Callable[[Cluster], Batcher], replanner: Replanner,
                  *, idle: Callable[[], bool], candidates: Callable[[], Sequence[str]] | None = None,
                  heartbeat_s: float = HEARTBEAT_S) -> None:
-        self.cluster, self.ring, self.open_ring, self.replanner = cluster, first, open_ring, replanner
+        self.cluster, self.open_ring, self.replanner = cluster, open_ring, replanner
+        self.ring: Driver = first
         self.idle, self.candidates = idle, candidates
         self.events = cluster.events
         self.pending: str | None = None  # why the ring should be re-formed at the next request boundary
         self.failure: str | None = None  # why the last re-forming failed (None: it did not, or none was needed)
         self.reports: list[Reformed] = []
         self._departed: dict[str, NodeClient] = {}  # address -> a client to a node lost or left, to see it return
+        self._taken: dict[str, str] = {}  # node name -> the head that took it, as last reported
         self._lock = threading.RLock()
         self._retry_at = 0.0  # time.monotonic() before which the heartbeat does not try again after a failure
         self._pending_since = 0.0  # time.monotonic() when `pending` was first set
+        self._settling_since = 0.0  # time.monotonic() when nodes taken from this head were first seen coming back
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, args=(heartbeat_s,), name="primaplug-heartbeat",
                                         daemon=True) if cluster.nodes else None
@@ -174,10 +208,10 @@ class Recovery:
 
     # --- what sessions call --------------------------------------------------------------------------------------
 
-    def current(self) -> Batcher:
-        return self.ring  # type: ignore[return-value]
+    def current(self) -> Driver:
+        return self.ring
 
-    def __call__(self, failed: object, error: BaseException) -> Batcher:
+    def __call__(self, failed: object, error: BaseException) -> Driver:
         with self._lock:
             if self.ring is not failed:  # another request re-formed it meanwhile
                 return self.current()
@@ -207,22 +241,36 @@ class Recovery:
     # --- re-forming --------------------------------------------------------------------------------------------
 
     def _try(self, why: str) -> None:
+        said = self.failure
         try:
             self._reform(why, None)
         except PrimaplugError as e:
             self._retry_at = time.monotonic() + RETRY_S
-            log.warning("could not re-form the ring (%s): %s", why, e)
+            if self.failure != said:  # once per failure, not at every retry while it lasts
+                log.warning("could not re-form the ring (%s): %s", why, e)
 
-    def _reform(self, why: str, error: BaseException | None) -> Batcher:
+    def _note_taken(self, taken: Sequence[tuple[NodeClient, str]]) -> None:
+        """Say once (an event, a log line) that each of these nodes was taken over by another head."""
+        for n, by in taken:
+            head = by.split(",")[0]  # "head 1a2b3c4d (primaplug run (pid 7) on box" and no more: it changes each time
+            if self._taken.get(n.name) != head:
+                self._taken[n.name] = head
+                message = f"taken over by {by}: this head leaves it alone and takes it back once it is free"
+                log.warning("node %s %s", n, message)
+                self.events.publish(NodeProgress(n.name, "taken", 0.0, message))
+
+    def _reform(self, why: str, error: BaseException | None) -> Driver:
         c = self.cluster
         t0 = time.perf_counter()
         # the node the request's watch found silent for the whole timeout is not asked again
         named = error.node if isinstance(error, NodeUnavailableError) else None
         gone = [n for n in c.nodes if n.name == named]
-        lost, stale = c.survey(min(SURVEY_S, c.settings.timeout_s), skip=gone)
-        lost = gone + lost
+        found = c.survey(min(SURVEY_S, c.settings.timeout_s), skip=gone)
+        lost, stale = gone + found.lost, found.stale
+        taken = [n for n, _ in found.taken]
+        self._note_taken(found.taken)
         joined = self._arrivals()
-        if not lost and not stale and not joined:
+        if not lost and not stale and not taken and not joined:
             self.pending, self._pending_since = None, 0.0
             if error is None or isinstance(error, NodeUnavailableError) or getattr(error, "code", "") == "lost":
                 # every node answers ready with this assignment: the ring works (a message lost in a short network
@@ -234,13 +282,24 @@ class Recovery:
                 n.hello()
             except (NodeError, NodeUnavailableError, ProtocolError):
                 lost.append(n)
-        nodes = [n for n in c.nodes if n not in lost] + joined
+        nodes = [n for n in c.nodes if n not in lost and n not in taken] + joined
+        if taken and not nodes:  # nothing to run the model on: wait until the nodes are free (the heartbeat looks)
+            self.failure = (f"every node of the ring was taken over by another head: {', '.join(map(str, taken))} by "
+                            f"{found.taken[0][1]}. This head waits, and takes them back once that head lets them go "
+                            f"(it closes, or is silent for {HEAD_LEASE_S:g} s)")
+            old, self.ring = self.ring, _Broken(c.epoch, self.failure, "taken")
+            old.close()
+            raise NodeError("ring", "taken", self.failure)
         for n, name in zip(nodes, unique_names([(n.name, n.address) for n in nodes]), strict=True):
             n.name = name
-        names = [n.name for n in lost]
+        names = [n.name for n in lost + taken]
+        back = [n for n in stale if n not in lost and n.name in self._taken]  # the head that took them let them go
+        restarted = [n for n in stale if n not in lost and n not in back]
         what = "; ".join(filter(None, [
-            f"lost {', '.join(names)}" if lost else "",
-            f"{', '.join(n.name for n in stale if n not in lost)} restarted" if set(stale) - set(lost) else "",
+            f"lost {', '.join(n.name for n in lost)}" if lost else "",
+            f"{', '.join(n.name for n in taken)} taken over by another head" if taken else "",
+            f"{', '.join(n.name for n in back)} let go by the head that took them" if back else "",
+            f"{', '.join(n.name for n in restarted)} restarted" if restarted else "",
             f"{', '.join(n.name for n in joined)} joined" if joined else ""]))
         self.events.publish(Notice(f"re-forming the ring: {what} ({why})"))
         survey_s = time.perf_counter() - t0
@@ -249,21 +308,22 @@ class Recovery:
             plan_s = time.perf_counter() - t0 - survey_s
             old, self.ring = self.ring, _Broken(c.epoch, f"the ring is being re-formed ({what})")
             old.close()  # its steps fail; their sessions find it replaced and wait here for the new ring
-            c.reform(nodes, sizes, gpu, lost)
+            c.reform(nodes, sizes, gpu, [*lost, *taken])
             self.ring = self.open_ring(c)
         except PrimaplugError as e:
             self.failure = f"the ring could not be re-formed after it {what}: {e}"
             if self.replanner.refused(e):
                 self.failure += " (the next try gives it no GPU layers)"
             self.ring = _Broken(c.epoch, self.failure)
-            for n in lost:
+            for n in lost + taken:
                 self._departed.setdefault(n.address, n)
             raise NodeError("ring", "reform_failed", self.failure) from e
         load_s = time.perf_counter() - t0 - survey_s - plan_s
-        for n in lost:
+        for n in lost + taken:
             self._departed.setdefault(n.address, n)
-        for n in joined:
+        for n in c.nodes:  # in the ring again: ours
             self._departed.pop(n.address, None)
+            self._taken.pop(n.name, None)
         self.pending = self.failure = None
         self._pending_since = 0.0
         plan = ", ".join(f"{n.name} {s}" for n, s in zip(nodes, sizes, strict=True))
@@ -277,7 +337,8 @@ class Recovery:
         return self.current()
 
     def _arrivals(self) -> list[NodeClient]:
-        """Nodes outside the ring that answer a hello with the head's model: lost ones back, or new ones found."""
+        """Nodes outside the ring that answer a hello with the head's model and that no other head holds: lost ones
+        back, taken ones let go, or new ones found."""
         c, ring = self.cluster, {n.address for n in self.cluster.nodes}
         addresses = list(self._departed)
         if self.candidates is not None:
@@ -286,14 +347,15 @@ class Recovery:
         for a in addresses:
             if a in ring or (c.transport.keys is None and not is_loopback(split_address(a)[0])):
                 continue  # off this machine a node must prove it holds the cluster key (CurveZMQ), as at the start
-            n = self._departed.get(a) or NodeClient(c.transport, a, c.settings.timeout_s)
+            n = self._departed.get(a) or c.client(a)
             try:
                 w = n.hello()
+                free = n.taken_by(n.status(timeout_s=SURVEY_S)) is None
             except (NodeError, NodeUnavailableError, ProtocolError):
                 if a not in self._departed:
                     n.close()
                 continue
-            if c.model.identity in {m.identity for m in w.models}:
+            if c.model.identity in {m.identity for m in w.models} and free:
                 found.append(n)  # it leaves _departed once the ring it joins is deployed
             elif a not in self._departed:
                 n.close()
@@ -314,15 +376,21 @@ class Recovery:
 
     def _beat(self) -> None:
         c = self.cluster
-        lost: list[NodeClient] = []
-        stale: list[NodeClient] = []
-        # while a request's watch asks the ring's nodes, a beat would hold their sockets a second behind it: it only
-        # looks outside the ring then
-        if not getattr(self.ring, "busy", False):
-            lost, stale = c.survey(min(SURVEY_S, c.settings.timeout_s))
-        if lost or stale:
+        if self.ring.busy:
+            # a request's watch asks the ring's nodes meanwhile, and a survey would hold their sockets a second behind
+            # it: only a status request that waits for nothing, so that the nodes hear from their head even while it
+            # computes a long window of its own (it keeps them: node/owner.py)
+            for n in c.nodes:
+                n.poll_probe()
+                n.probe()
+            found = None
+        else:
+            found = c.survey(min(SURVEY_S, c.settings.timeout_s))
+        if found is not None and (found.lost or found.stale or found.taken):
+            self._note_taken(found.taken)
             self.pending = "; ".join(
-                [f"{n} does not answer" for n in lost] + [f"{n} answers without this ring's windows" for n in stale])
+                [f"{n} does not answer" for n in found.lost] + [f"{n} is held by another head" for n, _ in found.taken]
+                + [f"{n} answers without this ring's windows" for n in found.stale])
         elif self._departed or self.candidates is not None:
             back = [a for a in [*self._departed, *(self.candidates() if self.candidates else ())]
                     if a not in {n.address for n in c.nodes} and self._answers(a)]
@@ -333,6 +401,14 @@ class Recovery:
             return
         if not self._pending_since:
             self._pending_since = now
+        # a head that took nodes lets them go one after the other: while some of them are free and others not yet,
+        # wait a beat, rather than re-form over the first alone and again once the rest follow
+        settling = found is not None and found.taken and any(n.name in self._taken for n in found.stale)
+        if not settling:
+            self._settling_since = 0.0
+        elif not self._settling_since or now - self._settling_since < BOUNDARY_WAIT_S:
+            self._settling_since = self._settling_since or now
+            return
         if (self.idle() or now - self._pending_since > BOUNDARY_WAIT_S) and now >= self._retry_at:
             self._try(self.pending)
 
@@ -341,7 +417,7 @@ class Recovery:
         if n is None:
             return True  # found by discovery: a hello will tell
         try:
-            n.status(timeout_s=SURVEY_S / 4)
+            st = n.status(timeout_s=SURVEY_S / 4)
         except (NodeError, NodeUnavailableError, ProtocolError):
             return False
-        return True
+        return n.taken_by(st) is None  # one another head holds is not back yet

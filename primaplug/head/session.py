@@ -219,21 +219,25 @@ class Session:
             except BaseException as e:
                 moved = self.reform is not None and self.reform.current() is not self._reformed
                 if self.reform is None or not (moved or recoverable(e)) or self._reforms >= MAX_REFORMS:
-                    self._failed(f"{what}: {e}", e)
+                    self._failed(f"{what}: {e or type(e).__name__}", e, reforming=False)
                     raise
                 self._reforms += 1
                 if not moved:
-                    self._failed(f"{what}: {e}", e)
+                    self._failed(f"{what}: {e}", e, reforming=True)
                 self.ring = self._reformed = self.reform(ring, e)
                 self._stale = True
                 self._recover()
 
-    def _failed(self, what: str, error: BaseException) -> None:
+    def _failed(self, what: str, error: BaseException, reforming: bool) -> None:
         self._stale = True
         if isinstance(error, NodeUnavailableError):  # the node that went silent is named: show it as failed
             self.events.publish(NodeProgress(error.node, "failed", 0.0, str(error)))
-        then = "the ring is re-formed and" if self.reform is not None else "the next request first"
-        log.warning("the ring failed at %s; %s replays the %d positions before it", what, then, len(self.prefix))
+        if isinstance(error, KeyboardInterrupt):  # Ctrl-C or SIGTERM (cli.Terminated): no failure of the ring's
+            log.info("interrupted at %s; the next request first replays the %d positions before it", what,
+                     len(self.prefix))
+        else:
+            then = "the ring is re-formed and" if reforming else "the next request first"
+            log.warning("the ring failed at %s; %s replays the %d positions before it", what, then, len(self.prefix))
         self.events.publish(SessionChanged("failed", len(self.prefix), what))
 
     def _recover(self) -> None:

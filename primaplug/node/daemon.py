@@ -20,7 +20,7 @@ import numpy as np
 
 from primaplug import __version__
 from primaplug.core.errors import ConfigError, ModelFormatError, PrimaplugError, ProtocolError, no_gpu_backend
-from primaplug.core.settings import DEFAULT_PORT, HEAD_SILENCE_S, MAX_PARALLEL, TIMEOUT_S
+from primaplug.core.settings import DEFAULT_PORT, HEAD_LEASE_S, HEAD_SILENCE_S, MAX_PARALLEL, TIMEOUT_S
 from primaplug.core.windows import LayerRange
 from primaplug.device import MemorySettings
 from primaplug.device.memory import reserved_bytes
@@ -28,6 +28,7 @@ from primaplug.engine import ModelLayout, read_layout
 from primaplug.memory.system import memory_view
 from primaplug.node.deployment import Deployment
 from primaplug.node.files import HeldFile
+from primaplug.node.owner import Ownership
 from primaplug.node.profiling import Profiling
 from primaplug.profiler import gpu
 from primaplug.transport import RingIn, Transport, is_loopback
@@ -40,6 +41,7 @@ from primaplug.wire import (
     ErrorReply,
     GetProfile,
     GetStatus,
+    HeadTag,
     Hello,
     KvOp,
     LoadAssignment,
@@ -64,6 +66,9 @@ THREADS_PER_CORE = 4
 MAX_COUNT = 2**31 - 1  # context and batch sizes: llama.cpp keeps them in 32 bits (ctypes would wrap larger ones)
 MAX_ENDPOINT_CHARS = 300  # a host name of at most 253 characters, a port and the scheme
 MAX_MESSAGE_CHARS = 600  # of a refusal's message (it may quote what the peer sent)
+# once asked to stop, how long the node waits for its ring thread and a load to finish before it frees what it can
+# and exits anyway (the process's exit frees the rest)
+STOP_GRACE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,8 @@ class NodeSettings:
     # seconds without a control request or ring message after which a node frees its windows (its head has gone;
     # a running head asks for a status every second); 0: never (--release-after)
     release_after_s: float = HEAD_SILENCE_S
+    lease_s: float = HEAD_LEASE_S  # a head that deployed the node holds it while it speaks this often (node/owner.py)
+    exit_with_parent: bool = False  # stop when the process that started the node ends (a head's local nodes)
 
     def check(self) -> None:
         if not self.models:
@@ -128,6 +135,9 @@ class Node:
         self._lock = threading.Lock()  # held by the ring loop while it computes, and by a load while it swaps
         self._deployment: Deployment | None = None
         self._stop = threading.Event()
+        self._stop_reason = "asked to stop"
+        self._owner = Ownership(settings.lease_s)
+        self._parent = os.getppid() if settings.exit_with_parent else 0
         self._status = Status(node=self.name, state="idle")
         self._activity = ""
         self._last_step = -1
@@ -142,12 +152,16 @@ class Node:
     # --- main loop -----------------------------------------------------------------------------------------
 
     def serve(self) -> None:
-        """Serve until a Shutdown request or stop(); then free everything."""
-        ring = threading.Thread(target=self._ring_loop, name="ring", daemon=True)
-        ring.start()
+        """Serve until a Shutdown request or stop(); then free everything, waiting at most STOP_GRACE_S for the ring
+        thread and a load to finish (what is still in use then is left to the process's exit: lingering())."""
+        self._ring_thread = threading.Thread(target=self._ring_loop, name="ring", daemon=True)
+        self._ring_thread.start()
         log.info("node %s ready: control %s, ring %s", self.name, self.control.address, self.ring.address)
         try:
             while not self._stop.is_set():
+                if self._parent and os.getppid() != self._parent:
+                    self.stop(f"the process that started it (pid {self._parent}) has ended")
+                    break
                 got = self.control.recv(0.2)
                 if got is None:
                     continue
@@ -156,17 +170,40 @@ class Node:
                 self.control.reply(envelope, encode(reply))
         finally:
             self._stop.set()
-            ring.join(timeout=10)
+            doing = self._activity or (self._status.message if self._status.state == "loading" else "")
+            log.info("node %s stopping (%s)%s", self.name, self._stop_reason, f" while {doing}" if doing else "")
+            deadline = time.monotonic() + STOP_GRACE_S
+            self._ring_thread.join(timeout=STOP_GRACE_S)
             if self._loader is not None:
-                self._loader.join(timeout=30)
-            with self._lock:
-                self._drop_deployment()
-            self.control.close()
-            self.ring.close()
-            self._close_models()
+                self._loader.join(timeout=max(0.0, deadline - time.monotonic()))
+            if self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                try:
+                    self._drop_deployment()
+                finally:
+                    self._lock.release()
+            if self.lingering():
+                log.warning("node %s: still %s after %.0f s; exiting without waiting for it", self.name,
+                            self._activity or "loading", STOP_GRACE_S)
+            else:  # the sockets are closed by the thread that made them, once no other thread uses them
+                self.control.close()
+                self.ring.close()
+                self._close_models()
+            log.info("node %s stopped", self.name)
 
-    def stop(self) -> None:
+    def stop(self, reason: str = "asked to stop") -> None:
+        if not self._stop.is_set():
+            self._stop_reason = reason
         self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def lingering(self) -> bool:
+        """Whether the ring thread or a load still runs after serve() returned: the process must then end without
+        waiting for them (os._exit)."""
+        ring = getattr(self, "_ring_thread", None)
+        return (ring is not None and ring.is_alive()) or (self._loader is not None and self._loader.is_alive())
 
     def _close_models(self) -> None:
         for held, _, _ in self._models.values():
@@ -192,6 +229,7 @@ class Node:
             return self._error("bad_message", str(e))
         if not isinstance(req, Hello):  # a Hello (a health check, a head looking for nodes) is not a head's word
             self._contact = time.monotonic()
+        self._owner.heard(getattr(req, "head", None))
         try:
             match req:
                 case Hello():
@@ -201,18 +239,30 @@ class Node:
                                            f"{PROTOCOL_VERSION}: upgrade {older} (primaplug {__version__} here)")
                     return self._welcome()
                 case LoadAssignment():
-                    return self._load(req.assignment)
+                    return self._held(req.head, "load windows", req.take_over) or self._load(req)
                 case GetStatus():
                     return self.status(detail=req.detail)
                 case GetProfile():
+                    if held := self._held(req.head, "profile it", req.take_over):
+                        return held
+                    self._owner.claim(req.head, self.name)
                     return self._profile(req)
                 case Unload():
+                    if held := self._held(req.head, "free its windows", req.take_over):
+                        return held
                     with self._lock:
                         self._drop_deployment()
                         self._status = Status(node=self.name, state="idle")
+                    if req.release:
+                        self._owner.release(req.head, self.name)
+                    else:
+                        self._owner.claim(req.head, self.name)
                     return self.status()
                 case Shutdown():
-                    self._stop.set()
+                    if held := self._held(req.head, "shut it down", req.take_over):
+                        return held
+                    who = f"head {req.head.id[:8]} ({req.head.name})" if req.head else "a head"
+                    self.stop(f"{who} asked it to shut down")
                     return self.status()
         except PrimaplugError as e:
             return self._error("bad_request", str(e))
@@ -220,6 +270,14 @@ class Node:
             log.exception("control request failed")
             return self._error("internal", f"{type(e).__name__}: {e}")
         return self._error("bad_message", f"unhandled request {type(req).__name__}")
+
+    def _held(self, head: HeadTag | None, what: str, take_over: bool) -> ErrorReply | None:
+        """The refusal of a request that would change what the node does while another head holds it."""
+        why = self._owner.refusal(head, what, take_over)
+        if not why:
+            return None
+        reply = self._error("held", why)
+        return msgspec.structs.replace(reply, holder=self._owner.holder())
 
     def _welcome(self) -> Welcome:
         mem = memory_view()  # what this node budgets with, and its profile reports to the planner
@@ -233,7 +291,7 @@ class Node:
         s = self._status
         status = Status(node=self.name, state=s.state, epoch=s.epoch, progress=s.progress, message=s.message,
                         activity=self._activity, last_step=self._last_step, steps_done=self._steps_done,
-                        busy_s=self._busy_s, kv_positions=self._kv_positions)
+                        busy_s=self._busy_s, kv_positions=self._kv_positions, holder=self._owner.holder())
         dep = self._deployment
         if detail and dep is not None and dep.prefetcher is not None:
             p = dep.prefetcher
@@ -257,7 +315,8 @@ class Node:
         profile, message = self._profiling.ask(Path(held.path), layout, force=req.force, shown=held.name)
         return ProfileReply(node=self.name, profile=profile, message=message)
 
-    def _load(self, a: Assignment) -> Status | ErrorReply:
+    def _load(self, req: LoadAssignment) -> Status | ErrorReply:
+        a = req.assignment
         if a.model.identity not in self._models:
             held = ", ".join(f"{m.file_name} ({m.identity})" for _, _, m in self._models.values())
             return self._error("wrong_model", f"the head asked for {a.model.file_name} ({a.model.identity}), "
@@ -268,6 +327,7 @@ class Node:
             return self._error("bad_assignment", problem)
         if self._loader is not None and self._loader.is_alive():
             return self._error("busy", "a load is already running; wait for it (see status)", retryable=True)
+        self._owner.claim(req.head, self.name)
         self._status = Status(node=self.name, state="loading", epoch=a.epoch, message="waiting for the ring")
         self._loader = threading.Thread(target=self._run_load, args=(a, held, layout), name="load", daemon=True)
         self._loader.start()
@@ -275,6 +335,8 @@ class Node:
 
     def _run_load(self, a: Assignment, held: HeldFile, layout: ModelLayout) -> None:
         def progress(frac: float, what: str) -> None:
+            if self._stop.is_set():
+                raise _StoppedError(f"the node stopped ({self._stop_reason})")
             self._status = Status(node=self.name, state="loading", epoch=a.epoch, progress=frac, message=what)
 
         t0 = time.perf_counter()
@@ -288,7 +350,8 @@ class Node:
             except Exception as e:
                 # a file changed under the load says so, not what llama.cpp made of the bytes it found
                 message = held.problem() or str(e)
-                log.error("loading assignment %d failed: %s", a.epoch, message, exc_info=not held.problem())
+                log.error("loading assignment %d failed: %s", a.epoch, message,
+                          exc_info=not held.problem() and not isinstance(e, _StoppedError))
                 self._drop_deployment()
                 self._status = Status(node=self.name, state="failed", epoch=a.epoch, message=message)
                 return
@@ -345,6 +408,7 @@ class Node:
                 raise ProtocolError("this node has no assignment loaded; send it one first")
             if msg.epoch != dep.epoch:
                 raise ProtocolError(f"message of assignment {msg.epoch}, this node runs assignment {dep.epoch}")
+            self._owner.heard_holder()  # only the holder's ring carries its assignment
             out: tuple[Activation | KvOp | RingError, np.ndarray | None]
             if isinstance(msg, Activation):
                 self._activity = (f"computing step {msg.step} round {msg.round}: {msg.n_rows} row(s) of "
@@ -375,6 +439,10 @@ class Node:
                       self.settings.send_timeout_s)
         if isinstance(out[0], Activation):
             dep.sent(out[0])
+
+
+class _StoppedError(PrimaplugError):
+    """A load given up because the node is stopping."""
 
 
 def _brief(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:

@@ -138,11 +138,19 @@ async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:
                         status_code=400)
 
 
+# NodeError codes that say the ring cannot serve now, not that the request was wrong: a re-forming that failed, nodes
+# another head took over (head/recovery.py), a node another head holds
+RING_DOWN = ("reform_failed", "taken", "held")
+
+
 def openai_error(error: BaseException, body: Any = None) -> tuple[int, dict[str, Any]]:
     """The HTTP status and the OpenAI-style error object (message, type, param, code) for an exception."""
     if isinstance(error, NodeUnavailableError):
         return 503, _error(f"{error}. The ring cannot serve until every node answers; GET /health says when it can "
                            "again", "unavailable_error", "node_unavailable")
+    if isinstance(error, NodeError) and error.code in RING_DOWN:
+        return 503, _error(f"{error}. GET /health says when the ring serves again", "unavailable_error",
+                           f"ring_{error.code}")
     if isinstance(error, NodeError):
         return 500, _error(str(error), "internal_server_error", f"node_{error.code}")
     if isinstance(error, PrimaplugError):
@@ -173,7 +181,7 @@ def _unavailable(problem: str) -> JSONResponse:
 
 
 def _outcome(error: BaseException) -> str:
-    return "unavailable" if isinstance(error, NodeUnavailableError) else "error"
+    return "unavailable" if openai_error(error)[0] == 503 else "error"
 
 
 class RingServer:

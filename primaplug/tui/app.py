@@ -96,6 +96,8 @@ class DashboardApp(App[None]):
         Binding("r", "reprofile", "Reprofile"),
         Binding("p", "plan", "Plan"),
         Binding("d", "deploy", "Deploy"),
+        # on purpose only: deploy on nodes another head holds (that head waits and takes them back after)
+        Binding("T", "take_over", "Take over", show=False),
         Binding("s", "stop_chat", "Stop"),
         Binding("n", "new_chat", "New chat"),
         Binding("t", "toggle_theme", "Theme"),
@@ -508,6 +510,17 @@ class DashboardApp(App[None]):
             self.notify("a reply is streaming: stop it (s, in Run) before deploying again", severity="warning")
             return
         self._background("deploying the plan", lambda: self.coordinator.deploy())
+
+    def action_take_over(self) -> None:
+        """Take the nodes from the head that holds them (its refusal named it), profile, plan and deploy."""
+        if self.generating:
+            self.notify("a reply is streaming: stop it (s, in Run) first", severity="warning")
+            return
+
+        def job() -> None:
+            c = self.coordinator
+            c.take_over(lambda: (c.connect(), self._profile_and_plan(force=False), c.deploy()))
+        self._background("taking the nodes over", job)
 
     def action_stop_chat(self) -> None:
         if self.generating:

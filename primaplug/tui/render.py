@@ -19,8 +19,9 @@ MIB = 2**20
 GB = 1e9
 # one colour per round of the layer map, repeated when there are more rounds
 ROUND_STYLES = ("cyan", "magenta", "green", "yellow", "blue", "red")
+# "taken": another head took the node over (--take-over); this head waits to take it back
 STATE_STYLES = {"failed": "bold red", "left": "dim", "ready": "green", "serving": "bold green",
-                "loading": "yellow", "profiling": "yellow", "connecting": "yellow"}
+                "loading": "yellow", "profiling": "yellow", "connecting": "yellow", "taken": "bold magenta"}
 
 
 def bar(fraction: float, width: int = 10) -> str:

@@ -13,7 +13,9 @@ from primaplug.wire.messages import (
     ErrorReply,
     GetProfile,
     GetStatus,
+    HeadTag,
     Hello,
+    Holder,
     LoadAssignment,
     ModelIdentity,
     ProfileReply,
@@ -40,7 +42,7 @@ from primaplug.wire.ring import (
 
 __all__ = [
     "PROTOCOL_VERSION", "Activation", "Assignment", "ControlReply", "ControlRequest", "DeviceFacts", "ErrorReply",
-    "GetProfile", "GetStatus", "Hello", "KvOp", "LoadAssignment", "ModelIdentity", "Part", "ProfileReply", "RingError",
-    "RingFrameError", "RingMessage", "Shutdown", "Status", "Unload", "Welcome", "WindowSpec", "decode_reply",
-    "decode_request", "decode_ring", "encode", "encode_ring", "window_output",
+    "GetProfile", "GetStatus", "HeadTag", "Hello", "Holder", "KvOp", "LoadAssignment", "ModelIdentity", "Part",
+    "ProfileReply", "RingError", "RingFrameError", "RingMessage", "Shutdown", "Status", "Unload", "Welcome",
+    "WindowSpec", "decode_reply", "decode_request", "decode_ring", "encode", "encode_ring", "window_output",
 ]

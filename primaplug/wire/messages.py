@@ -7,6 +7,7 @@ fields they do not know); removing or changing one bumps it.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Literal, Protocol
 
 import msgspec
@@ -14,7 +15,7 @@ import msgspec
 from primaplug.core.errors import ProtocolError
 from primaplug.core.profiles import DeviceProfile
 
-PROTOCOL_VERSION = 2  # 2: activations carry parts of several sequences
+PROTOCOL_VERSION = 3  # 2: activations carry parts of several sequences; 3: requests name their head (HeadTag)
 
 
 class _Msg(msgspec.Struct, frozen=True, tag_field="kind", forbid_unknown_fields=False):
@@ -76,7 +77,38 @@ class Assignment(msgspec.Struct, frozen=True):
         return self.n_ctx // max(1, self.n_seq_max)
 
 
+class HeadTag(msgspec.Struct, frozen=True):
+    """The head that sends a request. A node belongs to one head at a time (node/owner.py): the head whose
+    requests it last accepted, for as long as that head keeps speaking (HEAD_LEASE_S)."""
+
+    id: str  # random, made when the head starts: the same across its reconnects and re-formings
+    name: str  # what it is, for people: "primaplug serve (pid 4242) on desk"
+    address: str = ""  # where it receives the ring's output ("" before it listens)
+    started: float = 0.0  # Unix time the head started
+    served: int = 0  # requests it has completed
+
+
+class Holder(msgspec.Struct, frozen=True):
+    """The head a node belongs to now, as the node sees it."""
+
+    head: HeadTag
+    since: float  # Unix time the node became this head's
+    silent_s: float  # seconds since this head last said anything to the node
+    lease_s: float  # silence after which the node is free again
+
+    def describe(self) -> str:
+        """The holder in a sentence: which head, where, since when, what it did, when it last spoke."""
+        head = self.head
+        at = f", ring at {head.address}" if head.address else ""
+        since = datetime.fromtimestamp(self.since).strftime("%Y-%m-%d %H:%M:%S")
+        return (f"head {head.id[:8]} ({head.name}{at}) since {since}, which has served {head.served} request(s) and "
+                f"last spoke {self.silent_s:.1f} s ago")
+
+
 # --- requests -------------------------------------------------------------------------------------------------
+# The requests that change what a node does (load, unload, profile, shut down) name their head and are refused,
+# with the holder named, while another head holds the node; take_over takes it anyway. A status request names its
+# head too: it is how a holder that runs no request keeps the node.
 
 class Hello(_Msg, tag="hello"):
     """Opens a session with a node. Reply: Welcome."""
@@ -89,12 +121,15 @@ class LoadAssignment(_Msg, tag="load"):
     """Replaces the node's assignment; loading goes on in the background. Reply: Status (state "loading")."""
 
     assignment: Assignment
+    head: HeadTag | None = None
+    take_over: bool = False
 
 
 class GetStatus(_Msg, tag="status"):
     """Reply: Status. With detail, also the memory measurements (they cost a mincore over the windows)."""
 
     detail: bool = False
+    head: HeadTag | None = None
 
 
 class GetProfile(_Msg, tag="profile"):
@@ -104,14 +139,24 @@ class GetProfile(_Msg, tag="profile"):
 
     model: str  # ModelIdentity.identity
     force: bool = False  # measure again even when the device has a cached profile
+    head: HeadTag | None = None
+    take_over: bool = False
 
 
 class Unload(_Msg, tag="unload"):
-    """Frees the node's windows; it keeps serving. Reply: Status (state "idle")."""
+    """Frees the node's windows; it keeps serving. With release, the head also lets the node go (it closes): any head
+    may deploy there at once. Reply: Status (state "idle")."""
+
+    head: HeadTag | None = None
+    take_over: bool = False
+    release: bool = False
 
 
 class Shutdown(_Msg, tag="shutdown"):
     """Stops the node process. Reply: Status, then the node exits."""
+
+    head: HeadTag | None = None
+    take_over: bool = False
 
 
 ControlRequest = Hello | LoadAssignment | GetStatus | GetProfile | Unload | Shutdown
@@ -150,6 +195,7 @@ class Status(_Msg, tag="status_reply"):
     resident_bytes: int = 0  # of the node's windows, by mincore
     memory_pressure: float = 0.0  # drop in available memory since the node started, over total (cgroup) memory
     memory_budget_bytes: int = 0  # what the node's windows' weights may use (computed at load, or --memory-budget)
+    holder: Holder | None = None  # the head the node belongs to; None: free (none, or its lease lapsed)
 
 
 class ProfileReply(_Msg, tag="profile_reply"):
@@ -160,9 +206,10 @@ class ProfileReply(_Msg, tag="profile_reply"):
 
 class ErrorReply(_Msg, tag="error"):
     node: str
-    code: str  # bad_message, wrong_model, bad_assignment, not_ready, protocol_version, internal
+    code: str  # bad_message, wrong_model, bad_assignment, not_ready, protocol_version, held, internal
     message: str
     retryable: bool = False
+    holder: Holder | None = None  # with code "held": the head that holds the node
 
 
 ControlReply = Welcome | Status | ProfileReply | ErrorReply

@@ -1,0 +1,90 @@
+"""A node belongs to one head at a time (node/owner.py): the rules, without processes. The same rules against real
+node processes and real heads are in test_two_heads.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from primaplug.head.identity import Head
+from primaplug.node.owner import Ownership
+from primaplug.wire import HeadTag
+
+A = HeadTag(id="aaaaaaaa00000000", name="primaplug serve (pid 1) on box", address="tcp://127.0.0.1:9000")
+B = HeadTag(id="bbbbbbbb00000000", name="primaplug run (pid 2) on box")
+
+
+def test_a_free_node_is_anyones_and_then_its_holders() -> None:
+    o = Ownership(lease_s=30)
+    assert o.holder() is None and o.refusal(A, "load windows", take_over=False) == ""
+    o.claim(A, "n1")
+    h = o.holder()
+    assert h is not None and h.head == A and h.lease_s == 30
+    assert o.refusal(A, "load windows", take_over=False) == ""  # its own holder, again
+    why = o.refusal(B, "load windows", take_over=False)
+    for part in ("belongs to head aaaaaaaa", A.name, "tcp://127.0.0.1:9000", "may not load windows", "--take-over",
+                 "has been silent for 30 s"):
+        assert part in why, (part, why)
+    assert o.refusal(None, "load windows", take_over=False) != ""  # a request that names no head is another head
+
+
+def test_take_over_makes_the_taker_the_holder() -> None:
+    o = Ownership(lease_s=30)
+    o.claim(A, "n1")
+    assert o.refusal(B, "free its windows", take_over=True) == ""
+    o.claim(B, "n1")
+    assert o.holder().head == B  # type: ignore[union-attr]
+    assert "belongs to head bbbbbbbb" in o.refusal(A, "load windows", take_over=False)  # A cannot take it back
+
+
+def test_only_the_holder_lets_go_and_only_its_word_keeps_the_lease() -> None:
+    o = Ownership(lease_s=0.3)
+    o.claim(A, "n1")
+    o.release(B, "n1")  # not B's to let go
+    assert o.holder() is not None
+    end = time.monotonic() + 0.6
+    while time.monotonic() < end:  # B's requests (its status polls) keep nothing alive; A's do
+        o.heard(B)
+        o.heard(A)
+        time.sleep(0.05)
+    assert o.holder() is not None and o.holder().head == A  # type: ignore[union-attr]
+    served = HeadTag(id=A.id, name=A.name, served=5)
+    o.heard(served)
+    assert o.holder().head.served == 5  # type: ignore[union-attr]  # what it did, as it last said
+    o.release(A, "n1")
+    assert o.holder() is None and o.refusal(B, "load windows", take_over=False) == ""
+
+
+def test_a_silent_holder_lapses() -> None:
+    o = Ownership(lease_s=0.2)
+    o.claim(A, "n1")
+    assert o.refusal(B, "load windows", take_over=False) != ""
+    time.sleep(0.3)
+    assert o.holder() is None and o.refusal(B, "load windows", take_over=False) == ""
+    o.heard(A)  # nobody took it meanwhile: the holder that speaks again (after a long compute, say) still has it
+    assert o.holder() is not None and o.holder().head == A  # type: ignore[union-attr]
+    time.sleep(0.3)
+    o.claim(B, "n1")  # lapsed again, and taken
+    o.heard(A)
+    assert o.holder().head == B  # type: ignore[union-attr]
+
+
+def test_ring_traffic_is_the_holders_word() -> None:
+    o = Ownership(lease_s=0.3)
+    o.claim(A, "n1")
+    end = time.monotonic() + 0.6
+    while time.monotonic() < end:
+        o.heard_holder()
+        time.sleep(0.05)
+    assert o.holder() is not None
+
+
+@pytest.mark.parametrize("argv, program", [(["/usr/bin/primaplug", "serve", "--port", "1"], "primaplug serve"),
+                                           (["/x/primaplug/__main__.py", "run"], "primaplug run"),
+                                           (["/v/pytest/__main__.py", "-q"], "pytest"), (["bench.py"], "bench.py")])
+def test_a_head_names_itself_for_people(monkeypatch: pytest.MonkeyPatch, argv: list[str], program: str) -> None:
+    monkeypatch.setattr("sys.argv", argv)
+    a, b = Head(), Head()
+    assert a.name.startswith(f"{program} (pid ") and a.id != b.id and len(a.id) == 16
+    assert a.tag().id == a.id
