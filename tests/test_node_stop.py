@@ -126,8 +126,9 @@ def test_sending_to_a_successor_that_is_gone(harness: Harness) -> None:
 
 
 HEAD = """
-import sys, time
+import signal, sys, time
 from primaplug.head.launch import LocalNodes
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as at a terminal (a test runner may ignore it)
 with LocalNodes(sys.argv[1], 2, log_dir=sys.argv[2]) as local:
     print(" ".join(str(n.pid) for n in local.nodes), flush=True)
     if sys.argv[3] == "crash":

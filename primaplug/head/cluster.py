@@ -34,6 +34,7 @@ from primaplug.wire import (
     PROTOCOL_VERSION,
     Activation,
     Assignment,
+    Holder,
     ModelIdentity,
     Part,
     Welcome,
@@ -58,7 +59,7 @@ class Survey:
 
     lost: list[NodeClient] = field(default_factory=list)  # silent
     stale: list[NodeClient] = field(default_factory=list)  # free, without this ring's windows (restarted, freed)
-    taken: list[tuple[NodeClient, str]] = field(default_factory=list)  # held by another head: (node, that head)
+    taken: list[tuple[NodeClient, Holder]] = field(default_factory=list)  # held by another head: (node, that head)
 
 
 @dataclass(frozen=True)

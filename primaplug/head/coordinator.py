@@ -89,7 +89,7 @@ class _Watch:
     clients: dict[str, NodeClient] = field(default_factory=dict)
     busy: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (time, busy_s) at the last poll
     down: set[str] = field(default_factory=set)
-    held: dict[str, str | None] = field(default_factory=dict)  # name -> the other head that holds it, None if none
+    held: dict[str, str | None] = field(default_factory=dict)  # name -> the id of another head that holds it
 
 
 class Coordinator:
@@ -420,10 +420,12 @@ class Coordinator:
                 self.events.publish(NodeProgress(e.name, "connected", 0.0, f"answers again ({status.state}); "
                                                  "deploy again to use it"))
             by = client.taken_by(status)
-            if by != self._watch.held.get(e.name):  # held by another head, or free again: say so once
-                self._watch.held[e.name] = by
+            holder = by.head.id if by is not None else None
+            if holder != self._watch.held.get(e.name):  # held by another head, or free again: say so once
+                self._watch.held[e.name] = holder
                 if by is not None:
-                    self.events.publish(NodeProgress(e.name, "taken", 0.0, f"held by {by}: T takes it over"))
+                    self.events.publish(NodeProgress(e.name, "taken", 0.0, f"held by {by.describe()}: T takes it "
+                                                     "over"))
                 elif not deployed:
                     self.events.publish(NodeProgress(e.name, "connected", 0.0, "free again"))
             self.events.publish(NodeMetrics(e.name, status, self._busy_share(e.name, status)))

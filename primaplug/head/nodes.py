@@ -114,10 +114,10 @@ class NodeClient:
         """The node's state; with detail, also its memory measurements (prefetch, faults, residency, pressure)."""
         return self._status_reply(GetStatus(detail=detail, head=self.head.tag()), timeout_s)
 
-    def taken_by(self, status: Status) -> str | None:
-        """Who holds the node, in a sentence, when that is another head than this one (None when free or ours)."""
+    def taken_by(self, status: Status) -> Holder | None:
+        """The other head that holds the node, as the status says (None when it is free, or this head's)."""
         h = status.holder
-        return h.describe() if h is not None and h.head.id != self.head.id else None
+        return h if h is not None and h.head.id != self.head.id else None
 
     def profile(self, model: str, *, force: bool = False, timeout_s: float = LOAD_TIMEOUT_S,
                 progress: Callable[[str], None] | None = None) -> DeviceProfile:

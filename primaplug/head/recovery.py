@@ -43,6 +43,7 @@ from primaplug.head.planning import Measured, PlanSettings
 from primaplug.scheduler import solve
 from primaplug.scheduler.halda import apportion
 from primaplug.transport import is_loopback, split_address
+from primaplug.wire import Holder
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +196,7 @@ class Recovery:
         self.failure: str | None = None  # why the last re-forming failed (None: it did not, or none was needed)
         self.reports: list[Reformed] = []
         self._departed: dict[str, NodeClient] = {}  # address -> a client to a node lost or left, to see it return
-        self._taken: dict[str, str] = {}  # node name -> the head that took it, as last reported
+        self._taken: dict[str, str] = {}  # node name -> the id of the head that took it, as last reported
         self._lock = threading.RLock()
         self._retry_at = 0.0  # time.monotonic() before which the heartbeat does not try again after a failure
         self._pending_since = 0.0  # time.monotonic() when `pending` was first set
@@ -249,13 +250,12 @@ class Recovery:
             if self.failure != said:  # once per failure, not at every retry while it lasts
                 log.warning("could not re-form the ring (%s): %s", why, e)
 
-    def _note_taken(self, taken: Sequence[tuple[NodeClient, str]]) -> None:
+    def _note_taken(self, taken: Sequence[tuple[NodeClient, Holder]]) -> None:
         """Say once (an event, a log line) that each of these nodes was taken over by another head."""
         for n, by in taken:
-            head = by.split(",")[0]  # "head 1a2b3c4d (primaplug run (pid 7) on box" and no more: it changes each time
-            if self._taken.get(n.name) != head:
-                self._taken[n.name] = head
-                message = f"taken over by {by}: this head leaves it alone and takes it back once it is free"
+            if self._taken.get(n.name) != by.head.id:
+                self._taken[n.name] = by.head.id
+                message = f"taken over by {by.describe()}: this head leaves it alone and takes it back once it is free"
                 log.warning("node %s %s", n, message)
                 self.events.publish(NodeProgress(n.name, "taken", 0.0, message))
 
@@ -285,8 +285,8 @@ class Recovery:
         nodes = [n for n in c.nodes if n not in lost and n not in taken] + joined
         if taken and not nodes:  # nothing to run the model on: wait until the nodes are free (the heartbeat looks)
             self.failure = (f"every node of the ring was taken over by another head: {', '.join(map(str, taken))} by "
-                            f"{found.taken[0][1]}. This head waits, and takes them back once that head lets them go "
-                            f"(it closes, or is silent for {HEAD_LEASE_S:g} s)")
+                            f"{found.taken[0][1].describe()}. This head waits, and takes them back once that head "
+                            f"lets them go (it closes, or is silent for {HEAD_LEASE_S:g} s)")
             old, self.ring = self.ring, _Broken(c.epoch, self.failure, "taken")
             old.close()
             raise NodeError("ring", "taken", self.failure)

@@ -135,7 +135,7 @@ class Watch:
         for n, s in statuses:
             by = n.taken_by(s) if s is not None else None
             if by is not None:
-                raise NodeError(str(n), "taken", f"was taken over by {by} while the ring computed {doing}")
+                raise NodeError(str(n), "taken", f"was taken over by {by.describe()} while the ring computed {doing}")
             if s is not None and (s.state != "ready" or s.epoch != epoch):
                 raise NodeError(str(n), "not_ready", f"is {s.state} with assignment {s.epoch}, not {epoch}, while "
                                 f"the ring computed {doing}: did it restart? Deploy the assignment again.")

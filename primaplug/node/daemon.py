@@ -145,6 +145,7 @@ class Node:
         self._busy_s = 0.0
         self._kv_positions = 0
         self._loader: threading.Thread | None = None
+        self._ring_thread: threading.Thread | None = None
         self._used_at_start = memory_view().used_bytes  # memory pressure counts from here
         self._profiling = Profiling(self.name, settings.profile_dir)
         self._contact = time.monotonic()  # when a head last sent anything (a control request or a ring message)
@@ -154,8 +155,8 @@ class Node:
     def serve(self) -> None:
         """Serve until a Shutdown request or stop(); then free everything, waiting at most STOP_GRACE_S for the ring
         thread and a load to finish (what is still in use then is left to the process's exit: lingering())."""
-        self._ring_thread = threading.Thread(target=self._ring_loop, name="ring", daemon=True)
-        self._ring_thread.start()
+        ring = self._ring_thread = threading.Thread(target=self._ring_loop, name="ring", daemon=True)
+        ring.start()
         log.info("node %s ready: control %s, ring %s", self.name, self.control.address, self.ring.address)
         try:
             while not self._stop.is_set():
@@ -173,7 +174,7 @@ class Node:
             doing = self._activity or (self._status.message if self._status.state == "loading" else "")
             log.info("node %s stopping (%s)%s", self.name, self._stop_reason, f" while {doing}" if doing else "")
             deadline = time.monotonic() + STOP_GRACE_S
-            self._ring_thread.join(timeout=STOP_GRACE_S)
+            ring.join(timeout=STOP_GRACE_S)
             if self._loader is not None:
                 self._loader.join(timeout=max(0.0, deadline - time.monotonic()))
             if self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
@@ -202,8 +203,7 @@ class Node:
     def lingering(self) -> bool:
         """Whether the ring thread or a load still runs after serve() returned: the process must then end without
         waiting for them (os._exit)."""
-        ring = getattr(self, "_ring_thread", None)
-        return (ring is not None and ring.is_alive()) or (self._loader is not None and self._loader.is_alive())
+        return any(t is not None and t.is_alive() for t in (self._ring_thread, self._loader))
 
     def _close_models(self) -> None:
         for held, _, _ in self._models.values():
