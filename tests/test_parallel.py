@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +29,18 @@ MAX_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
-def nodes(gemma_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def moe_path(model_dir: Path) -> Path:
+    from tests.conftest import synthetic_path
+
+    return synthetic_path(model_dir, "qwen3moe", 7, "Q4_K_M")
+
+
+@pytest.fixture(scope="module")
+def nodes(gemma_path: Path, moe_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from primaplug.head.launch import LocalNodes
 
-    with LocalNodes(gemma_path, 2, log_dir=tmp_path_factory.mktemp("node-logs")) as local:
+    with LocalNodes(gemma_path, 2, log_dir=tmp_path_factory.mktemp("node-logs"),
+                    extra_args=["--model", str(moe_path)]) as local:
         yield local
 
 
@@ -92,6 +101,40 @@ def test_requests_in_flight_get_the_tokens_they_get_alone(gemma_path: Path, node
         assert stats.mixed > 0 and stats.most_steps >= 2, stats
         assert stats.most_in_flight >= 2, stats
         assert llm.requests_running == 0 and llm.requests_waiting == 0
+    finally:
+        llm.close()
+
+
+def test_mixture_of_experts_requests_in_flight_get_what_they_get_alone(moe_path: Path, nodes: Any) -> None:
+    """qwen3moe, three requests at once over two nodes: each routes its own tokens to its own experts, and gets the
+    tokens plain llama-cpp-python gives it alone."""
+    import llama_cpp
+
+    import primaplug
+    from primaplug.engine import read_layout
+
+    n_vocab = read_layout(moe_path).n_vocab
+    prompts = [[3 + (i * 7919 + k * 101) % (n_vocab - 3) for i in range(20 + 7 * k)] for k in range(3)]
+    plain = llama_cpp.Llama(str(moe_path), **KWARGS)
+    try:
+        alone = {}
+        for p in prompts:
+            plain.reset()
+            alone[tuple(p)] = plain.create_completion(p, max_tokens=MAX_TOKENS, temperature=0.0)["choices"][0]["text"]
+    finally:
+        plain.close()
+    llm = primaplug.Llama(moe_path, nodes=nodes.addresses, node_threads=1, layers=[3, 3, 1], n_parallel=3, **KWARGS)
+    try:
+        start = threading.Barrier(len(prompts))
+
+        def one(p: list[int]) -> str:
+            start.wait()
+            return llm.create_completion(p, max_tokens=MAX_TOKENS, temperature=0.0)["choices"][0]["text"]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = dict(zip(map(tuple, prompts), pool.map(one, prompts), strict=True))
+        assert got == alone
+        assert llm._batcher.stats.mixed > 0, llm._batcher.stats
     finally:
         llm.close()
 

@@ -35,7 +35,8 @@ TEXT = ("The quick brown fox jumps over the lazy dog while seven wizards hex a p
 
 @pytest.fixture(scope="module")
 def models(model_dir: Path, gemma_path: Path) -> dict[str, Path]:
-    return {"gemma": gemma_path, "qwen3": synthetic_path(model_dir, "qwen3", 9, "Q4_K_M")}
+    return {"gemma": gemma_path, "qwen3": synthetic_path(model_dir, "qwen3", 9, "Q4_K_M"),
+            "qwen3moe": synthetic_path(model_dir, "qwen3moe", 7, "Q4_K_M")}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def nodes(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
     from primaplug.head.launch import LocalNodes
 
     with LocalNodes(models["gemma"], 2, log_dir=tmp_path_factory.mktemp("node-logs"),
-                    extra_args=["--model", str(models["qwen3"])]) as local:
+                    extra_args=["--model", str(models["qwen3"]), "--model", str(models["qwen3moe"])]) as local:
         yield local
 
 
@@ -60,8 +61,9 @@ def tokens(models: dict[str, Path]) -> dict[str, list[int]]:
         gemma = vocab.tokenize((TEXT * 40).encode())
     finally:
         vocab.close()
-    n_vocab = read_layout(models["qwen3"]).n_vocab
-    return {"gemma": gemma, "qwen3": [3 + (i * 7919) % (n_vocab - 3) for i in range(1200)]}
+    synthetic = {name: [3 + (i * 7919) % (read_layout(models[name]).n_vocab - 3) for i in range(1200)]
+                 for name in ("qwen3", "qwen3moe")}
+    return {"gemma": gemma, **synthetic}
 
 
 @contextlib.contextmanager
@@ -176,10 +178,11 @@ def test_prompt_lengths_against_batch_sizes(nodes, models, tokens, case: tuple[A
 # --- 2. conversations that continue ------------------------------------------------------------------------------
 
 
-def test_token_prompts_that_extend_and_diverge(nodes, models, tokens) -> None:
+@pytest.mark.parametrize("model", ["qwen3", "qwen3moe"])
+def test_token_prompts_that_extend_and_diverge(nodes, models, tokens, model: str) -> None:
     """One instance answering prompts that share a prefix with the one before (llama-cpp-python then evaluates
-    only what follows the common prefix), on the synthetic model with n_batch 16: that spans several batches."""
-    t = tokens["qwen3"]
+    only what follows the common prefix), on a synthetic model with n_batch 16: that spans several batches."""
+    t = tokens[model]
     prompts = {
         "first": t[:12],
         "extend": t[:45],
@@ -188,7 +191,7 @@ def test_token_prompts_that_extend_and_diverge(nodes, models, tokens) -> None:
         "no common prefix": t[200:237],
         "shorter": t[200:210],
     }
-    with llama_pair(models["qwen3"], nodes, n_ctx=256, n_batch=16, n_ubatch=8) as (plain, ring):
+    with llama_pair(models[model], nodes, n_ctx=256, n_batch=16, n_ubatch=8) as (plain, ring):
         compare([(name, lambda llm, p=p: greedy(llm, p)) for name, p in prompts.items()], plain, ring)
 
 

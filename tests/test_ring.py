@@ -21,7 +21,8 @@ def models(model_dir: Path, gemma_path: Path) -> dict[str, Path]:
     return {"gemma": gemma_path,
             "llama9": synthetic_path(model_dir, "llama", 9, "Q4_K_M"),
             "qwen2_9": synthetic_path(model_dir, "qwen2", 9, "Q8_0"),
-            "qwen3_7": synthetic_path(model_dir, "qwen3", 7, "Q8_0")}
+            "qwen3_7": synthetic_path(model_dir, "qwen3", 7, "Q8_0"),
+            "qwen3moe_7": synthetic_path(model_dir, "qwen3moe", 7, "Q4_K_M")}
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,7 @@ CASES = [  # model, layers per round (node, node, node[, head]) or None for an e
     ("llama9", (2, 3, 3, 1), 1),
     ("qwen2_9", (1, 1, 1), 3),
     ("qwen3_7", (1, 4, 2), 1),
+    ("qwen3moe_7", (2, 3, 1, 1), 1),  # mixture of experts, the head holding the last layer
 ]
 
 

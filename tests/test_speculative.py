@@ -33,11 +33,12 @@ class Scripted:
     step (cycling through the positions when wrong is None), and runs `check` before each proposal."""
 
     def __init__(self, continuation: list[int], prompt_len: int, n: int, wrong: int | None,
-                 check: Callable[[], None] = lambda: None) -> None:
+                 check: Callable[[], None] = lambda: None, n_vocab: int = 1005) -> None:
         from llama_cpp.llama_speculative import LlamaDraftModel
 
         LlamaDraftModel.register(Scripted)
         self.continuation, self.prompt_len, self.n, self.wrong = continuation, prompt_len, n, wrong
+        self.n_vocab = n_vocab
         self.check, self.calls = check, 0
 
     def __call__(self, input_ids: np.ndarray, /, **kwargs: Any) -> np.ndarray:
@@ -46,7 +47,7 @@ class Scripted:
         out = list(self.continuation[at : at + self.n])
         wrong = self.calls % self.n if self.wrong is None else self.wrong
         if wrong < len(out):
-            out[wrong] = (out[wrong] + 1) % 1000 + 5  # a token the target will not choose
+            out[wrong] = (out[wrong] + 1) % (self.n_vocab - 5) + 5  # a token the target will not choose
         self.calls += 1
         return np.array(out, dtype=np.intc)
 
@@ -116,7 +117,7 @@ def greedy_tokens(llm: Any, prompt: list[int]) -> list[int]:
 
 
 def scripted_run(llm_factory: Callable[[Scripted], Any], prompt: list[int], want: list[int], wrong: int | None,
-                 check: Callable[[Any], Any]) -> tuple[list[int], list[tuple[int, int, Any]], Any]:
+                 check: Callable[[Any], Any], n_vocab: int = 1005) -> tuple[list[int], list[tuple[int, int, Any]], Any]:
     """Generate through a Llama whose draft is Scripted; before each draft, record (positions the session says the
     ring holds, its prefix's length, check(llm)). Returns the tokens, the records and the speculation's stats."""
     box: dict[str, Any] = {}
@@ -127,7 +128,7 @@ def scripted_run(llm_factory: Callable[[Scripted], Any], prompt: list[int], want
             llm = box["llm"]
             seen.append((llm.session.held, len(llm.session.prefix), check(llm)))
 
-    llm = box["llm"] = llm_factory(Scripted(want + [5] * 8, len(prompt), 2, wrong, record))
+    llm = box["llm"] = llm_factory(Scripted(want + [5] * 8, len(prompt), 2, wrong, record, n_vocab))
     try:
         return greedy_tokens(llm, prompt), seen, llm.speculation.stats
     finally:
@@ -172,6 +173,21 @@ def test_a_rejected_draft_token_changes_nothing(gemma_path: Path, wrong: int) ->
     assert any(h > kept for h, kept, _ in seen)
     kept_per_step = 0 if wrong == 0 else 1
     assert stats.drafted > N // 3 and abs(stats.accepted - kept_per_step * stats.drafted / 2) <= 1, stats.describe()
+
+
+def test_a_rejected_draft_changes_nothing_on_a_mixture_of_experts(model_dir: Path) -> None:
+    """The same on qwen3moe (the experts a token routes to are chosen again when its position is computed again):
+    each draft has a wrong token, the first or the second in turn, over two windows of the head."""
+    import primaplug
+    from primaplug.engine import read_layout
+
+    path = synthetic_path(model_dir, "qwen3moe", 7, "Q4_K_M")
+    prompt, want = _plain_tokens(path)
+    got, seen, stats = scripted_run(
+        lambda draft: primaplug.Llama(path, layers=[3, 4], draft_model=draft, draft_min=2, **KWARGS),
+        prompt, want, None, _held_everywhere, n_vocab=read_layout(path).n_vocab)
+    assert got == want
+    assert stats.drafted > N // 3 and any(h > kept for h, kept, _ in seen), stats.describe()
 
 
 def test_a_draft_of_another_vocabulary_is_refused(gemma_path: Path, model_dir: Path) -> None:

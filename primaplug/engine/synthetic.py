@@ -22,7 +22,7 @@ from primaplug.engine import _log
 
 # llama_ftype values of llama.h
 FTYPES = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K_M": 15, "Q4_K_S": 14, "Q5_K_M": 17, "Q6_K": 18}
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,10 @@ class SyntheticSpec:
     n_vocab: int = 512
     n_ctx_train: int = 4096
     seed: int = 0
+    # mixture of experts (qwen3moe): each layer's FFN is n_expert experts of n_ff_exp rows, n_expert_used per token
+    n_expert: int = 8
+    n_expert_used: int = 2
+    n_ff_exp: int = 256
 
 
 def _vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
@@ -65,6 +69,9 @@ def _tensors(spec: SyntheticSpec,
     def mat(rows: int, cols: int, scale: float = 1.0) -> Callable[[], np.ndarray]:
         return lambda: (scale * rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
 
+    def experts(n: int, rows: int, cols: int) -> Callable[[], np.ndarray]:
+        return lambda: (rng.standard_normal((n, rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
     def norm(n: int) -> Callable[[], np.ndarray]:
         return lambda: (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
@@ -82,11 +89,18 @@ def _tensors(spec: SyntheticSpec,
         if spec.arch == "qwen2":
             for name, n in (("attn_q.bias", q_dim), ("attn_k.bias", kv_dim), ("attn_v.bias", kv_dim)):
                 yield p + name, (n,), bias(n)
-        if spec.arch == "qwen3":
+        if spec.arch in ("qwen3", "qwen3moe"):
             yield p + "attn_q_norm.weight", (hd,), norm(hd)
             yield p + "attn_k_norm.weight", (hd,), norm(hd)
         yield p + "attn_output.weight", (e, q_dim), mat(e, q_dim)
         yield p + "ffn_norm.weight", (e,), norm(e)
+        if spec.arch == "qwen3moe":
+            x, f = spec.n_expert, spec.n_ff_exp
+            yield p + "ffn_gate_inp.weight", (x, e), mat(x, e, 4.0)  # the router: spread, so routes are far from ties
+            yield p + "ffn_gate_exps.weight", (x, f, e), experts(x, f, e)
+            yield p + "ffn_up_exps.weight", (x, f, e), experts(x, f, e)
+            yield p + "ffn_down_exps.weight", (x, e, f), experts(x, e, f)
+            continue
         yield p + "ffn_gate.weight", (spec.n_ff, e), mat(spec.n_ff, e)
         yield p + "ffn_up.weight", (spec.n_ff, e), mat(spec.n_ff, e)
         yield p + "ffn_down.weight", (e, spec.n_ff), mat(e, spec.n_ff)
@@ -96,7 +110,7 @@ def _tensors(spec: SyntheticSpec,
 
 def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, dtype: str = "F32",
                          progress: Callable[[int, int], None] | None = None) -> Path:
-    """Write a GGUF with random weights for spec.arch ("llama", "qwen2" or "qwen3"), matrices in `dtype` ("F32"
+    """Write a GGUF with random weights for spec.arch (one of ARCHS), matrices in `dtype` ("F32"
     or "F16"; norms and biases stay F32). Tensors are drawn and written one at a time, so models larger than
     memory can be written; `progress(done, total)` is called with bytes after each tensor."""
     if spec.arch not in ARCHS:
@@ -119,6 +133,10 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
     w.add_key_length(hd)
     w.add_value_length(hd)
     w.add_layer_norm_rms_eps(1e-6)
+    if spec.arch == "qwen3moe":
+        w.add_expert_count(spec.n_expert)
+        w.add_expert_used_count(spec.n_expert_used)
+        w.add_expert_feed_forward_length(spec.n_ff_exp)
     w.add_rope_freq_base(10000.0)
     w.add_file_type(FTYPES[dtype])
     tokens, scores, types = _vocab(spec.n_vocab)
@@ -131,7 +149,7 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
     w.add_eos_token_id(2)
 
     def np_dtype(shape: tuple[int, ...]) -> type:
-        return np.float16 if dtype == "F16" and len(shape) == 2 else np.float32
+        return np.float16 if dtype == "F16" and len(shape) >= 2 else np.float32
 
     tensors = list(_tensors(spec, rng))
     total = 0
