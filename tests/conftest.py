@@ -17,6 +17,7 @@ SYNTHETIC = [
     ("qwen3", 9, "Q4_K_M"),
     ("qwen3", 7, "Q8_0"),
     ("qwen3moe", 7, "Q4_K_M"),  # mixture of experts: 8 experts, 2 a token
+    ("mistral3", 7, "Q8_0"),
 ]
 
 

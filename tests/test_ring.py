@@ -22,7 +22,8 @@ def models(model_dir: Path, gemma_path: Path) -> dict[str, Path]:
             "llama9": synthetic_path(model_dir, "llama", 9, "Q4_K_M"),
             "qwen2_9": synthetic_path(model_dir, "qwen2", 9, "Q8_0"),
             "qwen3_7": synthetic_path(model_dir, "qwen3", 7, "Q8_0"),
-            "qwen3moe_7": synthetic_path(model_dir, "qwen3moe", 7, "Q4_K_M")}
+            "qwen3moe_7": synthetic_path(model_dir, "qwen3moe", 7, "Q4_K_M"),
+            "mistral3_7": synthetic_path(model_dir, "mistral3", 7, "Q8_0")}
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +59,7 @@ CASES = [  # model, layers per round (node, node, node[, head]) or None for an e
     ("qwen2_9", (1, 1, 1), 3),
     ("qwen3_7", (1, 4, 2), 1),
     ("qwen3moe_7", (2, 3, 1, 1), 1),  # mixture of experts, the head holding the last layer
+    ("mistral3_7", (2, 2, 3), 1),
 ]
 
 
