@@ -56,6 +56,23 @@ def test_synthetic_flops_and_bytes_by_hand(model_dir) -> None:
     assert model_types(p) == ("Q8_0", "F16", "F32")
 
 
+def test_a_mixture_of_experts_token_computes_only_its_experts(model_dir) -> None:
+    """conftest's synthetic qwen3moe: 8 experts of 256 rows, 2 a token. A token computes attention, the router and
+    2 experts' gate, up and down: the other 6 count in the layer's bytes (memory, disk), not in its compute."""
+    layout = read_layout(synthetic_path(model_dir, "qwen3moe", 7, "Q4_K_M"))
+    assert (layout.n_expert, layout.n_expert_used) == (8, 2)
+    p = profile_model(layout, n_ctx=1000, n_batch=512, n_ubatch=128)
+    e, f = 256, 256
+    attention = 2 * (e * e + e * 128 + e * 128 + e * e)  # q, k, v (2 heads x 64), o
+    router, experts = 2 * e * 8, 2 * 3 * e * f * 2  # scores of all 8 experts (F32); gate, up and down of 2
+    assert sum(v for q, v in p.layer_flops.items() if q not in ("F16", "F32")) == attention + experts
+    assert p.layer_flops["F32"] > router
+    everything = sum(2 * t.shape[0] * t.shape[1] * (t.shape[2] if len(t.shape) == 3 else 1)
+                     for t in layout.layer_tensors(0) if len(t.shape) >= 2)
+    assert everything == attention + router + 4 * experts  # what counting every expert would have said
+    assert p.layer_bytes == round(sum(layout.layer_bytes(il) for il in range(7)) / 7)  # every expert is stored
+
+
 def test_gemma_profile(gemma_path) -> None:
     layout = read_layout(gemma_path)
     p = profile_model(layout, n_ctx=4096, n_batch=512, n_ubatch=512)

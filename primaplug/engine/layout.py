@@ -82,6 +82,9 @@ class ModelLayout:
     data_offset: int
     tensors: tuple[TensorSpan, ...] = field(repr=False)
     has_chat_template: bool = False  # tokenizer.chat_template is in the metadata
+    # mixture of experts: experts per layer, and how many of them each token is routed to (0 for a dense model)
+    n_expert: int = 0
+    n_expert_used: int = 0
 
     # --- identity and support ---------------------------------------------------------------------------
 
@@ -312,4 +315,5 @@ def _layout(
         sliding_window=int(sliding) if sliding else None,
         swa_layers=swa, data_offset=data_offset, tensors=tensors,
         has_chat_template=bool(kv.get("tokenizer.chat_template")),
+        n_expert=int(kv.get(f"{arch}.expert_count") or 0), n_expert_used=int(kv.get(f"{arch}.expert_used_count") or 0),
     )

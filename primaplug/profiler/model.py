@@ -73,29 +73,41 @@ def _matmul_flops(t: TensorSpan) -> float:
     return 2.0 * t.shape[0] * n_out
 
 
-def _ffn_width(tensors: tuple[TensorSpan, ...]) -> int:
+def _ffn_width(tensors: tuple[TensorSpan, ...], n_expert_used: int = 0) -> int:
+    """The FFN's width a token computes: the dense FFN's, or each routed expert's times the experts it uses."""
     for t in tensors:
         if ".ffn_up." in t.name and len(t.shape) >= 2:
             return t.shape[1]
+        if ".ffn_up_exps." in t.name and len(t.shape) == 3:
+            return t.shape[1] * n_expert_used
     return 0
 
 
+def _token_share(t: TensorSpan, layout: ModelLayout) -> float:
+    """The share of a tensor's weights one token multiplies with: n_expert_used of the n_expert experts of a routed
+    expert tensor ([cols, rows, n_expert] in GGUF's order), all of any other."""
+    if layout.n_expert and len(t.shape) == 3 and t.shape[2] == layout.n_expert and "_exps." in t.name:
+        return layout.n_expert_used / layout.n_expert
+    return 1.0
+
+
 def layer_flops(layout: ModelLayout, layer: int, n_kv: int) -> dict[str, float]:
-    """FLOPs one token costs in one layer, by measured type, with n_kv tokens in the KV cache."""
+    """FLOPs one token costs in one layer, by measured type, with n_kv tokens in the KV cache. A mixture of experts'
+    token computes its router and only the experts it is routed to (n_expert_used of n_expert)."""
     out: dict[str, float] = defaultdict(float)
     tensors = layout.layer_tensors(layer)
     elementwise = 0.0
     has_gate = False
     for t in tensors:
         if len(t.shape) >= 2:
-            out[normalise_type(t.type_name)] += _matmul_flops(t)
-            has_gate = has_gate or ".ffn_gate." in t.name
+            out[normalise_type(t.type_name)] += _matmul_flops(t) * _token_share(t, layout)
+            has_gate = has_gate or ".ffn_gate." in t.name or ".ffn_gate_exps." in t.name
         else:
             elementwise += t.shape[0] * (_NORM_FLOPS if "norm" in t.name else 1)
     e, n_head = layout.n_embd, layout.n_head
     q_dim, k_dim = n_head * layout.head_dim_k, layout.n_head_kv[layer] * layout.head_dim_k
     elementwise += _ROPE_FLOPS * (q_dim + k_dim) + _SOFTMAX_FLOPS * n_head * n_kv + _RESIDUAL_ADDS * e
-    elementwise += (_GLU_FLOPS if has_gate else _GLU_FLOPS - 1) * _ffn_width(tensors)
+    elementwise += (_GLU_FLOPS if has_gate else _GLU_FLOPS - 1) * _ffn_width(tensors, layout.n_expert_used)
     out["F32"] += elementwise
     out[KV_TYPE] += 2.0 * n_head * (layout.head_dim_k + layout.head_dim_v) * n_kv
     return dict(out)
@@ -127,7 +139,7 @@ def compute_buffer_layers_bytes(layout: ModelLayout, n_ctx: int, n_batch: int, n
     n_kv = kv_cells(n_ctx)
     n_masks = 2 if layout.sliding_window and any(layout.swa_layers) else 1
     e = layout.n_embd
-    ff = max((_ffn_width(layout.layer_tensors(il)) for il in range(layout.n_layer)), default=0)
+    ff = max((_ffn_width(layout.layer_tensors(il), layout.n_expert_used) for il in range(layout.n_layer)), default=0)
     attention = t * n_kv * (layout.n_head + n_masks) + t * 2 * (e + ff)
     ffn = t * n_kv * n_masks + t * (3 * ff + 5 * e)
     return 4 * max(attention, ffn)
