@@ -7,20 +7,22 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from primaplug.node import Node, NodeSettings
 from primaplug.transport import FaultyTransport, InprocNetwork, InprocTransport, Transport
 
 
 class InprocNodes:
-    """`with InprocNodes(models, 3) as nodes:` starts three Node daemons holding `models`, each in its own thread,
+    """`with InprocNodes(models, 3) as nodes:` starts three Node daemons holding `models`, each in its own thread
+    (`settings`: NodeSettings fields for all of them),
     on one network; `nodes.head_transport()` is a transport for the head on the same network. The nodes' sockets
     go through `nodes.faults`, so a test can drop, delay or corrupt what they send, or kill one."""
 
-    def __init__(self, models: Sequence[Path], n: int) -> None:
+    def __init__(self, models: Sequence[Path], n: int, **settings: Any) -> None:
         self.network = InprocNetwork()
         self.faults = FaultyTransport(InprocTransport(self.network))
-        self.nodes = [Node(NodeSettings(models=tuple(models), port=0, name=f"node{i + 1}"), self.faults)
+        self.nodes = [Node(NodeSettings(models=tuple(models), port=0, name=f"node{i + 1}", **settings), self.faults)
                       for i in range(n)]
         self._threads = [threading.Thread(target=n.serve, name=n.name, daemon=True) for n in self.nodes]
 

@@ -1,5 +1,5 @@
-"""A node belongs to one head at a time (node/owner.py): the rules, without processes. The same rules against real
-node processes and real heads are in test_two_heads.py."""
+"""A node belongs to one head at a time (node/owner.py): the rules, without processes (the last test: a node daemon
+in a thread). The same rules against real node processes and real heads are in test_two_heads.py."""
 
 from __future__ import annotations
 
@@ -88,3 +88,27 @@ def test_a_head_names_itself_for_people(monkeypatch: pytest.MonkeyPatch, argv: l
     a, b = Head(), Head()
     assert a.name.startswith(f"{program} (pid ") and a.id != b.id and len(a.id) == 16
     assert a.tag().id == a.id
+
+
+def test_a_head_refused_by_a_silent_holder_waits_out_its_lease(gemma_path) -> None:  # noqa: ANN001
+    """A holder that stopped speaking was likely killed (it could not let its nodes go): a head it refuses after
+    HELD_WAIT_AFTER_S of its silence waits out the rest of its lease and goes ahead; one refused sooner is refused."""
+    from primaplug.core import NodeHeldError
+    from primaplug.core.settings import HELD_WAIT_AFTER_S
+    from primaplug.head import NodeClient
+    from tests.inproc_nodes import InprocNodes
+
+    with InprocNodes([gemma_path], 1, lease_s=HELD_WAIT_AFTER_S + 1) as nodes:
+        t = nodes.head_transport()
+        a, b = NodeClient(t, nodes.addresses[0]), NodeClient(t, nodes.addresses[0])
+        try:
+            a.unload()  # an unload is a head's use of the node: it is A's now
+            with pytest.raises(NodeHeldError, match=f"belongs to head {a.head.id[:8]}"):
+                b.unload()  # A spoke just now
+            time.sleep(HELD_WAIT_AFTER_S + 0.2)  # A is silent from here on
+            b.unload()  # refused by a holder silent for 3 s: waits out the last second of the lease, then goes ahead
+            holder = b.status().holder
+            assert holder is not None and holder.head.id == b.head.id
+        finally:
+            a.close(), b.close()
+            t.close()
