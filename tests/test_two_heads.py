@@ -126,6 +126,7 @@ def test_the_dashboard_is_refused_then_takes_over(gemma_path: Path, nodes: Any) 
         before = complete(a)
         with pytest.raises(NodeHeldError, match=f"belongs to head {a.head.id[:8]}"):
             coordinator.profile()
+        assert coordinator.events.view.nodes["node1"].state == "taken"  # shown as held by another head, not failed
         llm = coordinator.take_over(lambda: (coordinator.connect(), coordinator.profile(),
                                              coordinator.plan(PlanRequest(scheduler="even")), coordinator.deploy())[-1])
         assert coordinator.head.take_over is False and llm.head is coordinator.head

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from primaplug.core.errors import ConfigError, NodeError, NodeUnavailableError, PrimaplugError
+from primaplug.core.errors import ConfigError, NodeError, NodeHeldError, NodeUnavailableError, PrimaplugError
 from primaplug.core.profiles import DeviceProfile
 from primaplug.core.settings import DRAFT_MAX, DRAFT_MIN, RunSettings
 from primaplug.core.windows import even_split
@@ -258,9 +258,10 @@ class Coordinator:
         return (m.devices[0], *(by_name[e.name] for e in self.usable() if e.name in by_name))
 
     def _mark_failed(self, err: NodeError | NodeUnavailableError) -> None:
-        """Publish a node's failure (its entry takes the reason from the event, _on_event); a NodeError names
-        the node as "name (address)"."""
-        self.events.publish(NodeProgress(err.node.split(" (")[0], "failed", 0.0, str(err)))
+        """Publish a node's failure (its entry takes the reason from the event, _on_event), or that another head
+        holds it (taken: T takes it over); a NodeError names the node as "name (address)"."""
+        state = "taken" if isinstance(err, NodeHeldError) else "failed"
+        self.events.publish(NodeProgress(err.node.split(" (")[0], state, 0.0, str(err)))
 
     def plan(self, request: PlanRequest) -> PlanChoice:
         """The plan for the measured devices (profile() first), and the alternatives the scheduler weighed."""
