@@ -18,6 +18,7 @@ SYNTHETIC = [
     ("qwen3", 7, "Q8_0"),
     ("qwen3moe", 7, "Q4_K_M"),  # mixture of experts: 8 experts, 2 a token
     ("mistral3", 7, "Q8_0"),
+    ("granite", 7, "Q8_0"),
 ]
 
 

@@ -23,7 +23,8 @@ def models(model_dir: Path, gemma_path: Path) -> dict[str, Path]:
             "qwen2_9": synthetic_path(model_dir, "qwen2", 9, "Q8_0"),
             "qwen3_7": synthetic_path(model_dir, "qwen3", 7, "Q8_0"),
             "qwen3moe_7": synthetic_path(model_dir, "qwen3moe", 7, "Q4_K_M"),
-            "mistral3_7": synthetic_path(model_dir, "mistral3", 7, "Q8_0")}
+            "mistral3_7": synthetic_path(model_dir, "mistral3", 7, "Q8_0"),
+            "granite_7": synthetic_path(model_dir, "granite", 7, "Q8_0")}
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,7 @@ CASES = [  # model, layers per round (node, node, node[, head]) or None for an e
     ("qwen3_7", (1, 4, 2), 1),
     ("qwen3moe_7", (2, 3, 1, 1), 1),  # mixture of experts, the head holding the last layer
     ("mistral3_7", (2, 2, 3), 1),
+    ("granite_7", (3, 2, 1, 1), 1),
 ]
 
 

@@ -28,7 +28,7 @@ from primaplug.core.windows import LayerRange
 
 # Architectures whose graphs the patch (patches/0001) can split into windows; must match
 # llama_window_supported_archs() in the engine (a test checks it).
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "mistral3", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "mistral3", "granite", "gemma3")
 
 # ggml types that llama.cpp's CPU backend can repack for faster kernels (ggml-cpu/repack.cpp; engine/repacked.py)
 REPACKABLE = frozenset({"Q1_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q8_0", "IQ4_NL", "MXFP4"})

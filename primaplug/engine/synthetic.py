@@ -22,7 +22,8 @@ from primaplug.engine import _log
 
 # llama_ftype values of llama.h
 FTYPES = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K_M": 15, "Q4_K_S": 14, "Q5_K_M": 17, "Q6_K": 18}
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "mistral3")  # mistral3: llama's tensors under its own name
+# mistral3 and granite: llama's tensors under their own names, with their own hyper-parameters
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "mistral3", "granite")
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,11 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
     if spec.arch == "mistral3":  # Llama 4's attention temperature: queries scaled by log(floor(pos / 64) + 1)
         w.add_attn_temperature_scale(0.1)
         w.add_rope_scaling_orig_ctx_len(64)
+    if spec.arch == "granite":  # IBM Granite 3: scaled embeddings, residuals, attention and logits
+        w.add_embedding_scale(12.0)
+        w.add_residual_scale(0.22)
+        w.add_attention_scale(1.0 / 64)
+        w.add_logit_scale(0.25)
     if spec.arch == "qwen3moe":
         w.add_expert_count(spec.n_expert)
         w.add_expert_used_count(spec.n_expert_used)
