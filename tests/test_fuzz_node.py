@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import numpy as np
 import pytest
 
 from primaplug.core import PrimaplugError
-from tests.ring_helpers import LLAMA_KWARGS, assert_same, greedy_scores
+from tests.ring_helpers import LLAMA_KWARGS, assert_same, greedy_scores, wait_until
 
 pytestmark = pytest.mark.multiproc
 
@@ -304,13 +303,6 @@ def fuzz_node(gemma_path: Path, small_path: Path, tmp_path: Path) -> Iterator[An
         yield local.nodes[0]
 
 
-def _wait(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.05)
-
-
 def test_fuzzed_messages_leave_the_node_alive_bounded_and_exact(fuzz_node: Any, gemma_path: Path,
                                                                 small_path: Path) -> None:
     import msgspec
@@ -345,7 +337,8 @@ def test_fuzzed_messages_leave_the_node_alive_bounded_and_exact(fuzz_node: Any, 
 
     def deploy(epoch: int) -> None:
         client.load(msgspec.structs.replace(base, epoch=epoch))
-        _wait(lambda: client.status().state == "ready" and client.status().epoch == epoch, f"assignment {epoch} loads")
+        wait_until(lambda: client.status().state == "ready" and client.status().epoch == epoch,
+                   f"assignment {epoch} loads")
 
     def exchange(frames: list[bytes], what: str) -> tuple[Any, Any]:
         assert out.send(frames, REPLY_S), f"the node took no message: {what}"
@@ -396,7 +389,7 @@ def test_fuzzed_messages_leave_the_node_alive_bounded_and_exact(fuzz_node: Any, 
             assert raw is not None, f"no answer to control case {i} ({what}): log:\n{fuzz_node.log()[-3000:]}"
             reply = decode_reply(raw)
             loads += getattr(reply, "state", "") == "loading"
-        _wait(lambda: client.status().state != "loading", "the last fuzzed load ends")
+        wait_until(lambda: client.status().state != "loading", "the last fuzzed load ends")
         assert proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
 
         deploy(2)

@@ -12,18 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.ring_helpers import LLAMA_KWARGS, greedy_scores
+from tests.ring_helpers import LLAMA_KWARGS, greedy_scores, wait_until
 
 pytestmark = pytest.mark.multiproc
 
 SECRET = b"SECRET-BYTES-THE-HEAD-MUST-NEVER-SEE"
-
-
-def _wait(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.05)
 
 
 def _tokens_through(node_address: str, gemma_path: Path, prompt: bytes) -> list[int]:
@@ -79,7 +72,7 @@ def test_a_node_loads_only_the_file_it_opened_at_start(gemma_path: Path, model_d
             a = Assignment(epoch=5, model=ModelIdentity.of(small_layout, small.name), windows=(WindowSpec(0, 3),),
                            successor="tcp://127.0.0.1:9", n_ctx=64, n_batch=16, n_ubatch=16, n_threads=1)
             client.load(a)
-            _wait(lambda: client.status().state == "failed", "the load of the rewritten file fails")
+            wait_until(lambda: client.status().state == "failed", "the load of the rewritten file fails")
             status = client.status()
             assert "was written since this node started" in status.message and "restart" in status.message, status
             assert SECRET.decode() not in msgspec.json.encode(status).decode()
@@ -121,7 +114,7 @@ def test_a_node_frees_its_windows_when_its_head_goes_silent(gemma_path: Path, tm
             a = Assignment(epoch=3, model=ModelIdentity.of(layout, gemma_path.name), windows=(WindowSpec(0, 18),),
                            successor=inbox.address, n_ctx=128, n_batch=32, n_ubatch=32, n_threads=1)
             client.load(a)
-            _wait(lambda: client.status().state == "ready", "the assignment loads")
+            wait_until(lambda: client.status().state == "ready", "the assignment loads")
             out = t.ring_out(client.welcome.ring_endpoint)
             step = 0
 
@@ -150,7 +143,7 @@ def test_a_node_frees_its_windows_when_its_head_goes_silent(gemma_path: Path, tm
                 time.sleep(2 * release_s)  # silence: any request (this status too) counts as the head's word
                 return client.status().state == "idle"
 
-            _wait(released, "the node frees its windows", timeout_s=30)
+            wait_until(released, "the node frees its windows", timeout_s=30)
             status = client.status()
             assert "freed the windows of assignment 3" in status.message and "without a word from a head" in \
                 status.message, status
@@ -161,7 +154,7 @@ def test_a_node_frees_its_windows_when_its_head_goes_silent(gemma_path: Path, tm
             assert "freed the windows of assignment 3" in node.log()
 
             client.load(msgspec.structs.replace(a, epoch=4))  # and the next head deploys as to any idle node
-            _wait(lambda: client.status().state == "ready", "the next assignment loads")
+            wait_until(lambda: client.status().state == "ready", "the next assignment loads")
             out.close()
         finally:
             inbox.close()

@@ -50,7 +50,6 @@ _RUN = RunSettings()
 # connects to instead: lets an emulated cluster put a slow link in between
 Route = Callable[[str, str], str]
 HEAD = "head"
-RELEASE_TIMEOUT_S = 1.0  # a head that closes waits this long for each node to let it go (a lost one never answers)
 
 
 @dataclass
@@ -268,7 +267,7 @@ class Cluster:
             if all(n is not k for k, _ in keep):
                 self.events.publish(NodeProgress(n.name, "left", 0.0, "the plan runs faster without it"))
                 with contextlib.suppress(NodeError, NodeUnavailableError, ProtocolError):
-                    n.release(RELEASE_TIMEOUT_S)  # profiled by this head: let it go for others
+                    n.release()  # profiled by this head: let it go for others
                 n.close()
         self.nodes = [n for n, _ in keep]
         self.node_ranges = [list(d.windows) for _, d in keep]
@@ -413,11 +412,11 @@ class Cluster:
             except (NodeError, NodeUnavailableError) as e:
                 log.warning("%s", e)
 
-    def release(self, timeout_s: float = RELEASE_TIMEOUT_S) -> None:
+    def release(self) -> None:
         """Let every node go that this head used: each frees its windows, and any head may deploy there at once."""
         for n in self.nodes:
             try:
-                n.release(timeout_s)
+                n.release()
             except (NodeError, NodeUnavailableError, ProtocolError) as e:  # gone, or taken: nothing of ours is there
                 log.info("%s", e)
 

@@ -34,6 +34,7 @@ from primaplug.wire import (
 )
 
 log = logging.getLogger(__name__)
+RELEASE_TIMEOUT_S = 1.0  # a head that lets a node go waits this long for its answer (a lost one never answers)
 
 
 class NodeClient:
@@ -139,7 +140,7 @@ class NodeClient:
     def unload(self) -> Status:
         return self._status_reply(Unload(head=self.head.tag(), take_over=self.head.take_over))
 
-    def release(self, timeout_s: float | None = None) -> None:
+    def release(self, timeout_s: float = RELEASE_TIMEOUT_S) -> None:
         """Free the node's windows and let it go, so that another head may deploy there at once: a head that
         closes. Nothing to do for a node this head never used."""
         if self.claimed and not self.closed:  # a client closed already (a lost node's) has nothing to say
