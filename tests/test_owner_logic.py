@@ -112,3 +112,36 @@ def test_a_head_refused_by_a_silent_holder_waits_out_its_lease(gemma_path) -> No
         finally:
             a.close(), b.close()
             t.close()
+
+
+def test_a_head_taken_over_while_it_loads_is_told_at_once(gemma_path) -> None:  # noqa: ANN001
+    """A head waiting for its windows to load on a node that another head takes over meanwhile is told so, naming
+    that head: the node loads the other head's windows, and waiting for its own would last the whole load timeout
+    (with it, a heartbeat's re-forming held off every later one for ten minutes)."""
+    from primaplug.core import NodeHeldError
+    from primaplug.engine import read_layout
+    from primaplug.head import NodeClient
+    from primaplug.head.cluster import Cluster, ClusterSettings
+    from primaplug.head.identity import Head
+    from primaplug.wire import Assignment, ModelIdentity, WindowSpec
+    from tests.inproc_nodes import InprocNodes
+    from tests.ring_helpers import wait_until
+
+    model = ModelIdentity.of(read_layout(gemma_path), gemma_path.name)
+    with InprocNodes([gemma_path], 1) as nodes:
+        t = nodes.head_transport()
+        cluster = Cluster(t, ClusterSettings(nodes=tuple(nodes.addresses), load_timeout_s=30), model)
+        other = NodeClient(t, nodes.addresses[0], head=Head(take_over=True))
+        try:
+            cluster.connect()
+            a = Assignment(epoch=cluster.epoch, model=model, windows=(WindowSpec(0, 18),),
+                           successor="tcp://127.0.0.1:9", n_ctx=64, n_batch=16, n_ubatch=16, n_threads=1)
+            cluster.nodes[0].load(a)
+            wait_until(lambda: other.status().state == "ready", "the first head's windows load")
+            other.unload()  # on purpose: the first head's windows are gone before its wait saw them ready
+            with pytest.raises(NodeHeldError, match=f"was taken over by head {other.head.id[:8]}"):
+                cluster._wait_loaded(a.epoch)
+        finally:
+            other.close()
+            cluster.close()
+            t.close()

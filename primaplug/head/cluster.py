@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
-from primaplug.core.errors import ConfigError, NodeError, NodeUnavailableError, ProtocolError
+from primaplug.core.errors import ConfigError, NodeError, NodeHeldError, NodeUnavailableError, ProtocolError
 from primaplug.core.profiles import DeviceProfile
 from primaplug.core.settings import LOAD_TIMEOUT_S, RunSettings
 from primaplug.core.windows import LayerRange, even_split, execution_order, ring_windows
@@ -318,6 +318,10 @@ class Cluster:
         while pending:
             for n in list(pending):
                 st = n.status()
+                by = n.taken_by(st)
+                if by is not None:  # another head took it over meanwhile: its load replaced this one, which never ends
+                    raise NodeHeldError(str(n), f"was taken over by {by.describe()} while it loaded this head's "
+                                        "windows", by)
                 if report:
                     self.events.publish(NodeProgress(n.name, st.state if st.epoch == epoch else "loading",
                                                      st.progress, st.message))
