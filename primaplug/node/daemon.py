@@ -31,7 +31,7 @@ from primaplug.node.files import HeldFile
 from primaplug.node.owner import Ownership
 from primaplug.node.profiling import Profiling
 from primaplug.profiler import gpu
-from primaplug.transport import RingIn, Transport, is_loopback
+from primaplug.transport import ControlServer, RingIn, Transport, is_loopback
 from primaplug.transport.addresses import parse_endpoint
 from primaplug.wire import (
     PROTOCOL_VERSION,
@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 # answering while the machine's load climbed into the thousands)
 THREADS_PER_CORE = 4
 MAX_COUNT = 2**31 - 1  # context and batch sizes: llama.cpp keeps them in 32 bits (ctypes would wrap larger ones)
+PAIR_TRIES = 50  # random control ports tried until the next one up is free too
 MAX_ENDPOINT_CHARS = 300  # a host name of at most 253 characters, a port and the scheme
 MAX_MESSAGE_CHARS = 600  # of a refusal's message (it may quote what the peer sent)
 # once asked to stop, how long the node waits for its ring thread and a load to finish before it frees what it can
@@ -75,7 +76,7 @@ STOP_GRACE_S = 3.0
 class NodeSettings:
     models: tuple[Path, ...]  # the only files this node will ever open
     host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT  # control; the ring listens on port + 1 (both random when port is 0)
+    port: int = DEFAULT_PORT  # control; the ring listens on port + 1 (port 0: a free pair)
     name: str = field(default_factory=platform.node)
     secure: bool = False  # whether the transport was given the cluster keys
     send_timeout_s: float = TIMEOUT_S  # how long a ring send waits for a successor before giving up
@@ -104,6 +105,21 @@ class NodeSettings:
             )
 
 
+def _listen(transport: Transport, host: str, port: int) -> tuple[ControlServer, RingIn]:
+    """Bind the control server on port and the ring input on port + 1. Port 0 picks a free pair rather than two
+    unrelated ports, so that a node restarted on its control address (--listen HOST:PORT) finds its ring port free
+    again, not one some other socket took while it was down."""
+    for _ in range(PAIR_TRIES if port == 0 else 1):
+        control = transport.control_server(host, port)
+        try:
+            return control, transport.ring_in(host, parse_endpoint(control.address)[1] + 1)
+        except ConfigError:
+            control.close()
+            if port:
+                raise
+    raise ConfigError(f"found no two free consecutive ports on {host} in {PAIR_TRIES} tries: give one with --listen")
+
+
 class Node:
     def __init__(self, settings: NodeSettings, transport: Transport) -> None:
         settings.check()
@@ -127,8 +143,7 @@ class Node:
                     held.close()
                     continue
                 self._models[layout.identity] = (held, layout, ModelIdentity.of(layout, held.name))
-            self.control = transport.control_server(settings.host, settings.port)
-            self.ring: RingIn = transport.ring_in(settings.host, settings.port + 1 if settings.port else 0)
+            self.control, self.ring = _listen(transport, settings.host, settings.port)
         except BaseException:
             self._close_models()
             raise
