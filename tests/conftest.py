@@ -17,8 +17,13 @@ SYNTHETIC = [
     ("qwen3", 9, "Q4_K_M"),
     ("qwen3", 7, "Q8_0"),
     ("qwen3moe", 7, "Q4_K_M"),  # mixture of experts: 8 experts, 2 a token
+    ("gpt-oss", 7, "MXFP4_MOE"),  # MXFP4 experts with biases, attention sinks, sliding window on alternate layers
+    ("glm4moe", 7, "Q4_K_M"),  # a dense first layer, a shared expert, sigmoid routing, a NextN layer after the trunk
     ("mistral3", 7, "Q8_0"),
     ("granite", 7, "Q8_0"),
+    ("gemma2", 7, "Q8_0"),  # soft-capped attention and logits, sliding window on alternate layers, tied lm_head
+    ("olmo2", 7, "Q8_0"),  # norms after attention and FFN only
+    ("phi3", 7, "Q8_0"),  # fused QKV and gate-up projections
 ]
 
 
@@ -42,6 +47,20 @@ COMPUTE_BOUND = {
 }
 
 
+# Architectures whose every split runs in the slow rung: `make test` runs each one's split with the output layer on the
+# head (test_windows_match_llama: a window from layer 0, one past it and the output-only window, which is all the
+# window code a graph has), its streamed windows (test_exact_windows) and one device's windows on one context.
+SPLITS_IN_SLOW_RUNG = {"gpt-oss", "glm4moe", "gemma2", "olmo2", "phi3"}
+FAST_SPLIT = "output-on-head"
+
+
+def _slow_split(item: pytest.Item) -> bool:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    model, partition = params.get("test_model"), params.get("partition")
+    return (isinstance(model, tuple) and model[0] in SPLITS_IN_SLOW_RUNG and partition is not None
+            and partition != FAST_SPLIT)
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Put every test on one rung: multiproc (marked by hand), engine, or unit (`pytest -m unit` runs in seconds);
@@ -49,6 +68,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         name = item.path.name
         item.add_marker(pytest.mark.xdist_group("compute-bound" if name in COMPUTE_BOUND else name))
+        if _slow_split(item):
+            item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("multiproc") or item.get_closest_marker("engine"):
             continue
         uses = set(getattr(item, "fixturenames", ()))

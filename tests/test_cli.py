@@ -112,6 +112,29 @@ def test_synth_refuses_to_overwrite_and_bad_sizes(tmp_path) -> None:
     assert out.returncode == 2 and "--type must be one of" in out.stderr and not (tmp_path / "n.gguf").exists()
 
 
+def test_synth_writes_a_mixture_of_experts_that_runs_split_like_plain(tmp_path) -> None:
+    """`synth --arch gpt-oss`: MXFP4 experts (their biases F32, as ggml adds only F32), sized as asked, and a ring
+    of two local nodes gives plain llama-cpp-python's tokens on it."""
+    from primaplug.engine import read_layout
+
+    path = tmp_path / "oss.gguf"
+    out = run_cli("synth", str(path), "--arch", "gpt-oss", "--type", "MXFP4_MOE", "--size", "12M", "--layers", "4",
+                  "--experts", "16", "--experts-used", "4")
+    assert out.returncode == 0, out.stderr
+    assert "gpt-oss, 4 layers" in out.stderr and "16 experts" in out.stderr and "4 a token" in out.stderr
+    layout = read_layout(path)
+    assert (layout.arch, layout.n_expert, layout.n_expert_used) == ("gpt-oss", 16, 4)
+    assert {t.type_name for t in layout.layer_tensors(0) if "_exps.weight" in t.name} == {"MXFP4"}
+    assert {t.type_name for t in layout.layer_tensors(0) if t.name.endswith(".bias")} == {"F32"}
+    assert 6e6 < path.stat().st_size < 24e6
+    out = run_cli("run", "-m", str(path), "--local-nodes", "2", "--layers", "2,2", "-p", "ab cd", "-n", "8",
+                  "--temp", "0", "--verify")
+    assert out.returncode == 0 and "gave the same 8 tokens" in out.stderr, out.stderr
+    out = run_cli("synth", str(tmp_path / "x.gguf"), "--arch", "qwen3moe", "--size", "1M", "--experts", "4",
+                  "--experts-used", "5")
+    assert out.returncode == 2 and "--experts-used must be between 1 and --experts (4)" in out.stderr
+
+
 def test_an_unknown_scheduler_is_refused_before_anything_opens() -> None:
     import primaplug
     from primaplug.core.errors import ConfigError

@@ -28,19 +28,22 @@ PROMPTS = [
 MAX_TOKENS = 10
 
 
+MOE = {"qwen3moe": "Q4_K_M", "gpt-oss": "MXFP4_MOE"}  # the second with a sliding window on alternate layers
+
+
 @pytest.fixture(scope="module")
-def moe_path(model_dir: Path) -> Path:
+def moe_paths(model_dir: Path) -> dict[str, Path]:
     from tests.conftest import synthetic_path
 
-    return synthetic_path(model_dir, "qwen3moe", 7, "Q4_K_M")
+    return {arch: synthetic_path(model_dir, arch, 7, ftype) for arch, ftype in MOE.items()}
 
 
 @pytest.fixture(scope="module")
-def nodes(gemma_path: Path, moe_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def nodes(gemma_path: Path, moe_paths: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from primaplug.head.launch import LocalNodes
 
     with LocalNodes(gemma_path, 2, log_dir=tmp_path_factory.mktemp("node-logs"),
-                    extra_args=["--model", str(moe_path)]) as local:
+                    extra_args=[a for p in moe_paths.values() for a in ("--model", str(p))]) as local:
         yield local
 
 
@@ -105,14 +108,17 @@ def test_requests_in_flight_get_the_tokens_they_get_alone(gemma_path: Path, node
         llm.close()
 
 
-def test_mixture_of_experts_requests_in_flight_get_what_they_get_alone(moe_path: Path, nodes: Any) -> None:
-    """qwen3moe, three requests at once over two nodes: each routes its own tokens to its own experts, and gets the
-    tokens plain llama-cpp-python gives it alone."""
+@pytest.mark.parametrize("arch", MOE)
+def test_mixture_of_experts_requests_in_flight_get_what_they_get_alone(moe_paths: dict[str, Path], nodes: Any,
+                                                                        arch: str) -> None:
+    """Mixtures of experts, three requests at once over two nodes: each routes its own tokens to its own experts,
+    and gets the tokens plain llama-cpp-python gives it alone."""
     import llama_cpp
 
     import primaplug
     from primaplug.engine import read_layout
 
+    moe_path = moe_paths[arch]
     n_vocab = read_layout(moe_path).n_vocab
     prompts = [[3 + (i * 7919 + k * 101) % (n_vocab - 3) for i in range(20 + 7 * k)] for k in range(3)]
     plain = llama_cpp.Llama(str(moe_path), **KWARGS)

@@ -32,20 +32,26 @@ TEXT = ("The quick brown fox jumps over the lazy dog while seven wizards hex a p
 
 # --- helpers --------------------------------------------------------------------------------------------------
 
+# synthetic models beside Gemma: dense, and mixtures of experts (gpt-oss with a sliding window of 32 that the
+# continued prompts outgrow, so rewinds meet its window)
+SYNTHETIC = ("qwen3", "qwen3moe", "gpt-oss", "glm4moe")
+
 
 @pytest.fixture(scope="module")
 def models(model_dir: Path, gemma_path: Path) -> dict[str, Path]:
     return {"gemma": gemma_path, "qwen3": synthetic_path(model_dir, "qwen3", 9, "Q4_K_M"),
-            "qwen3moe": synthetic_path(model_dir, "qwen3moe", 7, "Q4_K_M")}
+            "qwen3moe": synthetic_path(model_dir, "qwen3moe", 7, "Q4_K_M"),
+            "gpt-oss": synthetic_path(model_dir, "gpt-oss", 7, "MXFP4_MOE"),
+            "glm4moe": synthetic_path(model_dir, "glm4moe", 7, "Q4_K_M")}
 
 
 @pytest.fixture(scope="module")
 def nodes(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
-    """Two node processes holding both models, started once for the module; each ring deploys its own split."""
+    """Two node processes holding every model, started once for the module; each ring deploys its own split."""
     from primaplug.head.launch import LocalNodes
 
     with LocalNodes(models["gemma"], 2, log_dir=tmp_path_factory.mktemp("node-logs"),
-                    extra_args=["--model", str(models["qwen3"]), "--model", str(models["qwen3moe"])]) as local:
+                    extra_args=[a for name in SYNTHETIC for a in ("--model", str(models[name]))]) as local:
         yield local
 
 
@@ -62,7 +68,7 @@ def tokens(models: dict[str, Path]) -> dict[str, list[int]]:
     finally:
         vocab.close()
     synthetic = {name: [3 + (i * 7919) % (read_layout(models[name]).n_vocab - 3) for i in range(1200)]
-                 for name in ("qwen3", "qwen3moe")}
+                 for name in SYNTHETIC}
     return {"gemma": gemma, **synthetic}
 
 
@@ -142,6 +148,7 @@ BATCH_CASES = [
     ("qwen3", "even", 16, 16, True, (1, 15, 16, 17, 40, 100)),
     ("qwen3", "1+1+head1x3", 16, 8, False, (1, 16, 17, 40)),
     ("qwen3", "1+1+head1x3", 64, 32, True, (1, 64, 65, 150)),
+    ("gpt-oss", "even", 16, 8, True, (1, 31, 32, 33, 100)),  # prompts about its sliding window of 32
 ]
 
 
@@ -178,7 +185,7 @@ def test_prompt_lengths_against_batch_sizes(nodes, models, tokens, case: tuple[A
 # --- 2. conversations that continue ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model", ["qwen3", "qwen3moe"])
+@pytest.mark.parametrize("model", SYNTHETIC)
 def test_token_prompts_that_extend_and_diverge(nodes, models, tokens, model: str) -> None:
     """One instance answering prompts that share a prefix with the one before (llama-cpp-python then evaluates
     only what follows the common prefix), on a synthetic model with n_batch 16: that spans several batches."""

@@ -24,7 +24,12 @@ def models(model_dir: Path, gemma_path: Path) -> dict[str, Path]:
             "qwen3_7": synthetic_path(model_dir, "qwen3", 7, "Q8_0"),
             "qwen3moe_7": synthetic_path(model_dir, "qwen3moe", 7, "Q4_K_M"),
             "mistral3_7": synthetic_path(model_dir, "mistral3", 7, "Q8_0"),
-            "granite_7": synthetic_path(model_dir, "granite", 7, "Q8_0")}
+            "granite_7": synthetic_path(model_dir, "granite", 7, "Q8_0"),
+            "gpt_oss_7": synthetic_path(model_dir, "gpt-oss", 7, "MXFP4_MOE"),
+            "glm4moe_7": synthetic_path(model_dir, "glm4moe", 7, "Q4_K_M"),
+            "gemma2_7": synthetic_path(model_dir, "gemma2", 7, "Q8_0"),
+            "olmo2_7": synthetic_path(model_dir, "olmo2", 7, "Q8_0"),
+            "phi3_7": synthetic_path(model_dir, "phi3", 7, "Q8_0")}
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +42,13 @@ def nodes(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
         yield local
 
 
-def _prompt(path: Path) -> list[int]:
+def _prompt(path: Path, text: bool) -> list[int]:
+    """Text for a real tokenizer (the bundled Gemma); ids spread over the vocabulary for a synthetic one."""
     import llama_cpp
 
     from primaplug.engine import read_layout
 
-    if "gemma" in path.name:
+    if text:
         llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
         try:
             return llm.tokenize(b"Pipelined-ring parallelism splits a model into windows of layers. " * 8)
@@ -62,6 +68,11 @@ CASES = [  # model, layers per round (node, node, node[, head]) or None for an e
     ("qwen3moe_7", (2, 3, 1, 1), 1),  # mixture of experts, the head holding the last layer
     ("mistral3_7", (2, 2, 3), 1),
     ("granite_7", (3, 2, 1, 1), 1),
+    ("gpt_oss_7", (2, 2, 2, 1), 1),  # MXFP4 experts and sliding windows, the head holding the last layer
+    ("glm4moe_7", (1, 3, 2, 1), 1),  # the dense first layer on one node; the NextN layer on none
+    ("gemma2_7", (2, 2, 3), 1),
+    ("olmo2_7", (3, 3, 1), 1),
+    ("phi3_7", (2, 3, 2), 1),
 ]
 
 
@@ -72,7 +83,7 @@ def test_ring_matches_plain_llama(nodes, models, model: str, layers, rounds: int
     import primaplug
 
     path = models[model]
-    prompt = _prompt(path)
+    prompt = _prompt(path, text=model == "gemma")
     plain = llama_cpp.Llama(str(path), **LLAMA_KWARGS)
     try:
         expected = greedy_scores(plain, prompt, STEPS)
@@ -128,7 +139,7 @@ def test_node_threads_sleep_between_tokens(nodes, models) -> None:
     ring = primaplug.Llama(models["gemma"], nodes=nodes.addresses, layers=(6, 6, 6), node_threads=2,
                            **LLAMA_KWARGS)
     try:
-        greedy_scores(ring, _prompt(models["gemma"])[:20], 4)
+        greedy_scores(ring, _prompt(models["gemma"], text=True)[:20], 4)
         procs = [psutil.Process(n.proc.pid) for n in nodes.nodes]
         before = [sum(p.cpu_times()[:2]) for p in procs]
         time.sleep(1.0)

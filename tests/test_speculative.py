@@ -175,13 +175,15 @@ def test_a_rejected_draft_token_changes_nothing(gemma_path: Path, wrong: int) ->
     assert stats.drafted > N // 3 and abs(stats.accepted - kept_per_step * stats.drafted / 2) <= 1, stats.describe()
 
 
-def test_a_rejected_draft_changes_nothing_on_a_mixture_of_experts(model_dir: Path) -> None:
-    """The same on qwen3moe (the experts a token routes to are chosen again when its position is computed again):
-    each draft has a wrong token, the first or the second in turn, over two windows of the head."""
+@pytest.mark.parametrize(("arch", "ftype"), [("qwen3moe", "Q4_K_M"), ("gpt-oss", "MXFP4_MOE"), ("glm4moe", "Q4_K_M")])
+def test_a_rejected_draft_changes_nothing_on_a_mixture_of_experts(model_dir: Path, arch: str, ftype: str) -> None:
+    """The same on mixtures of experts (the experts a token routes to are chosen again when its position is computed
+    again; gpt-oss's sliding window forgets positions too): each draft has a wrong token, the first or the second in
+    turn, over two windows of the head."""
     import primaplug
     from primaplug.engine import read_layout
 
-    path = synthetic_path(model_dir, "qwen3moe", 7, "Q4_K_M")
+    path = synthetic_path(model_dir, arch, 7, ftype)
     prompt, want = _plain_tokens(path)
     got, seen, stats = scripted_run(
         lambda draft: primaplug.Llama(path, layers=[3, 4], draft_model=draft, draft_min=2, **KWARGS),

@@ -28,12 +28,14 @@ from primaplug.core.windows import LayerRange
 
 # Architectures whose graphs the patch (patches/0001) can split into windows; must match
 # llama_window_supported_archs() in the engine (a test checks it).
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "mistral3", "granite", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss", "glm4moe", "mistral3", "granite", "gemma3",
+                   "gemma2", "olmo2", "phi3")
 
 # ggml types that llama.cpp's CPU backend can repack for faster kernels (ggml-cpu/repack.cpp; engine/repacked.py)
 REPACKABLE = frozenset({"Q1_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q8_0", "IQ4_NL", "MXFP4"})
-# Gemma 3 alternates five sliding-window layers with one global layer (llama.cpp: load_swa_pattern(ml, 6)).
-_SWA_PATTERN = {"gemma3": 6}
+# Sliding-window layers where the file has no per-layer pattern: Gemma 3 alternates five with one global layer
+# (llama.cpp: load_swa_pattern(ml, 6)), gpt-oss and Gemma 2 one with one, OLMo 2's sliding variants three with one.
+_SWA_PATTERN = {"gemma3": 6, "gpt-oss": 2, "gemma2": 2, "olmo2": 4}
 
 _SCALAR = {
     GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
@@ -69,7 +71,7 @@ class ModelLayout:
     file_size: int
     header_sha256: str  # hash of everything before the tensor data: metadata and tensor table
     arch: str
-    n_layer: int
+    n_layer: int  # the layers a token runs through, the ones windows split
     n_embd: int
     n_vocab: int
     n_head: int
@@ -85,6 +87,14 @@ class ModelLayout:
     # mixture of experts: experts per layer, and how many of them each token is routed to (0 for a dense model)
     n_expert: int = 0
     n_expert_used: int = 0
+    # layers in the file past n_layer that a plain run skips: multi-token-prediction heads (glm4moe's NextN)
+    n_layer_nextn: int = 0
+
+    @property
+    def n_layer_all(self) -> int:
+        """Every block of the file: llama.cpp's placement of a windowed load has one entry per block, then the
+        output layer's."""
+        return self.n_layer + self.n_layer_nextn
 
     # --- identity and support ---------------------------------------------------------------------------
 
@@ -293,7 +303,8 @@ def _layout(
             raise ModelFormatError(path, f"no {arch}.{key} in the GGUF metadata")
         return value
 
-    n_layer = int(get("block_count"))
+    n_layer_nextn = int(kv.get(f"{arch}.nextn_predict_layers") or 0)
+    n_layer = int(get("block_count")) - n_layer_nextn
     n_embd = int(get("embedding_length"))
     n_head = int(get("attention.head_count"))
     head_kv = get("attention.head_count_kv", n_head)
@@ -307,7 +318,11 @@ def _layout(
         n_vocab = embd.shape[1]
     sliding = kv.get(f"{arch}.attention.sliding_window")
     pattern = _SWA_PATTERN.get(arch)
-    swa = tuple(bool(sliding) and pattern is not None and il % pattern < pattern - 1 for il in range(n_layer))
+    given = kv.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(given, list) and len(given) >= n_layer:
+        swa = tuple(bool(sliding) and bool(v) for v in given[:n_layer])
+    else:
+        swa = tuple(bool(sliding) and pattern is not None and il % pattern < pattern - 1 for il in range(n_layer))
     return ModelLayout(
         path=path, file_size=file_size, header_sha256=header_sha256, arch=arch, n_layer=n_layer, n_embd=n_embd,
         n_vocab=n_vocab, n_head=n_head, n_head_kv=n_head_kv, head_dim_k=head_dim_k, head_dim_v=head_dim_v,
@@ -316,4 +331,5 @@ def _layout(
         swa_layers=swa, data_offset=data_offset, tensors=tensors,
         has_chat_template=bool(kv.get("tokenizer.chat_template")),
         n_expert=int(kv.get(f"{arch}.expert_count") or 0), n_expert_used=int(kv.get(f"{arch}.expert_used_count") or 0),
+        n_layer_nextn=n_layer_nextn,
     )

@@ -186,10 +186,11 @@ class Model:
                                       chunk_bytes=copy_chunk_bytes)
         self.source = self.copy.path if self.copy else self.path  # the file mapped: prefetch and release this one
         cpu = _native.LLAMA_WINDOW_PLACEMENT_CPU_REPACKED if self.copy else _native.LLAMA_WINDOW_PLACEMENT_CPU
-        placement = (ctypes.c_uint8 * (n_layer + 1))()
+        n_all = self.layout.n_layer_all
+        placement = (ctypes.c_uint8 * (n_all + 1))()
         for il in self.layers:
             placement[il] = _native.LLAMA_WINDOW_PLACEMENT_GPU if il in gpu else cpu
-        placement[n_layer] = cpu if output else _native.LLAMA_WINDOW_PLACEMENT_SKIP
+        placement[n_all] = cpu if output else _native.LLAMA_WINDOW_PLACEMENT_SKIP
 
         self._ptr = ptr = _native.load_for_windows(self.source, placement, repack=repack, purpose="for windows")
         self.copied_bytes = self._copied_bytes()

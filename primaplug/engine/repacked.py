@@ -263,10 +263,10 @@ def _chunks(layout: ModelLayout, units: list[str], chunk_bytes: int) -> Iterator
 
 def _repack(layout: ModelLayout, units: list[str], spans: dict[str, TensorSpan], fd_out: int) -> set[str]:
     """Load these units with llama.cpp's repacking on and write each weight it repacked into the copy."""
-    n_layer = layout.n_layer
-    placement = (ctypes.c_uint8 * (n_layer + 1))()
+    n_all = layout.n_layer_all
+    placement = (ctypes.c_uint8 * (n_all + 1))()
     for u in filter(_runs_on_cpu, units):
-        placement[n_layer if u == OUTPUT else int(u[4:])] = _native.LLAMA_WINDOW_PLACEMENT_CPU
+        placement[n_all if u == OUTPUT else int(u[4:])] = _native.LLAMA_WINDOW_PLACEMENT_CPU
     if not any(placement):
         return set()  # raw units only
     written: set[str] = set()

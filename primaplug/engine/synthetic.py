@@ -14,16 +14,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFWriter
+from gguf import ExpertGatingFuncType, GGUFWriter
 from llama_cpp import llama_cpp as _ll
 
 from primaplug.core.errors import EngineError, ModelFormatError
 from primaplug.engine import _log
 
-# llama_ftype values of llama.h
-FTYPES = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K_M": 15, "Q4_K_S": 14, "Q5_K_M": 17, "Q6_K": 18}
-# mistral3 and granite: llama's tensors under their own names, with their own hyper-parameters
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "mistral3", "granite")
+# llama_ftype values of llama.h (MXFP4_MOE: experts in MXFP4, as gpt-oss ships; the rest Q8_0)
+FTYPES = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K_M": 15, "Q4_K_S": 14, "Q5_K_M": 17, "Q6_K": 18, "MXFP4_MOE": 38}
+# each written with its real tensor names, shapes and hyper-parameters (llama.cpp's src/models/<arch>.cpp)
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss", "glm4moe", "mistral3", "granite", "gemma2", "olmo2", "phi3")
+MOE_ARCHS = ("qwen3moe", "gpt-oss", "glm4moe")
+_QKV_BIAS = ("qwen2", "gpt-oss", "glm4moe")
+_POST_ATTN_NORM = ("gemma2", "olmo2", "gpt-oss", "glm4moe")  # the last two: it is also the FFN's input norm
+_SLIDING = ("gpt-oss", "gemma2")  # sliding-window attention on alternate layers
 
 
 @dataclass(frozen=True)
@@ -39,14 +43,21 @@ class SyntheticSpec:
     n_vocab: int = 512
     n_ctx_train: int = 4096
     seed: int = 0
-    # mixture of experts (qwen3moe): each layer's FFN is n_expert experts of n_ff_exp rows, n_expert_used per token
+    # mixture of experts (MOE_ARCHS): each layer's FFN is n_expert experts of n_ff_exp rows, n_expert_used per token
     n_expert: int = 8
     n_expert_used: int = 2
     n_ff_exp: int = 256
+    # glm4moe: a shared expert beside the routed ones, dense leading layers, and the multi-token-prediction layers
+    # (NextN) that follow the trunk in the file (blk.{n_layer}...) and that a plain run skips
+    n_expert_shared: int = 1
+    n_dense_lead: int = 1
+    n_nextn: int = 1
+    sliding_window: int = 32  # _SLIDING archs: short, so that the tests' prompts outgrow it
 
 
-def _vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
-    """An SPM vocabulary: <unk> <s> </s>, the 256 byte tokens, then made-up pieces."""
+def _vocab(n_vocab: int, specials: tuple[str, ...] = ()) -> tuple[list[str], list[float], list[int]]:
+    """An SPM vocabulary: <unk> <s> </s>, the 256 byte tokens, then made-up pieces; `specials` (control tokens that
+    llama.cpp looks up by name for an architecture) take the last places."""
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     types = [2, 3, 3] + [6] * 256  # unknown, control, control, byte...
     letters = "abcdefghijklmnopqrstuvwxyz"
@@ -57,7 +68,10 @@ def _vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
         types.append(1)
         i += 1
     scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(k) for k in range(n_vocab - 259)]
-    return tokens[:n_vocab], scores[:n_vocab], types[:n_vocab]
+    tokens, scores, types = tokens[:n_vocab], scores[:n_vocab], types[:n_vocab]
+    for k, name in enumerate(specials, start=n_vocab - len(specials)):
+        tokens[k], scores[k], types[k] = name, 0.0, 3
+    return tokens, scores, types
 
 
 def _tensors(spec: SyntheticSpec,
@@ -76,37 +90,84 @@ def _tensors(spec: SyntheticSpec,
     def norm(n: int) -> Callable[[], np.ndarray]:
         return lambda: (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
-    def bias(n: int) -> Callable[[], np.ndarray]:
-        return lambda: (0.1 * rng.standard_normal(n)).astype(np.float32)
+    def bias(*shape: int) -> Callable[[], np.ndarray]:
+        return lambda: (0.1 * rng.standard_normal(shape)).astype(np.float32)
 
     # scaled up so that logits spread widely and greedy choices are far from ties
     yield "token_embd.weight", (spec.n_vocab, e), lambda: rng.standard_normal((spec.n_vocab, e)).astype(np.float32)
-    for il in range(spec.n_layer):
+    a = spec.arch
+    n_layer = spec.n_layer + (spec.n_nextn if a == "glm4moe" else 0)
+    for il in range(n_layer):
         p = f"blk.{il}."
-        yield p + "attn_norm.weight", (e,), norm(e)
-        yield p + "attn_q.weight", (q_dim, e), mat(q_dim, e)
-        yield p + "attn_k.weight", (kv_dim, e), mat(kv_dim, e)
-        yield p + "attn_v.weight", (kv_dim, e), mat(kv_dim, e)
-        if spec.arch == "qwen2":
+        if a != "olmo2":  # olmo2 normalises after attention and FFN only
+            yield p + "attn_norm.weight", (e,), norm(e)
+        if a == "phi3":  # one fused projection
+            yield p + "attn_qkv.weight", (q_dim + 2 * kv_dim, e), mat(q_dim + 2 * kv_dim, e)
+        else:
+            yield p + "attn_q.weight", (q_dim, e), mat(q_dim, e)
+            yield p + "attn_k.weight", (kv_dim, e), mat(kv_dim, e)
+            yield p + "attn_v.weight", (kv_dim, e), mat(kv_dim, e)
+        if a in _QKV_BIAS:
             for name, n in (("attn_q.bias", q_dim), ("attn_k.bias", kv_dim), ("attn_v.bias", kv_dim)):
                 yield p + name, (n,), bias(n)
-        if spec.arch in ("qwen3", "qwen3moe"):
+        if a in ("qwen3", "qwen3moe"):
             yield p + "attn_q_norm.weight", (hd,), norm(hd)
             yield p + "attn_k_norm.weight", (hd,), norm(hd)
+        if a == "olmo2":  # over all heads at once
+            yield p + "attn_q_norm.weight", (q_dim,), norm(q_dim)
+            yield p + "attn_k_norm.weight", (kv_dim,), norm(kv_dim)
         yield p + "attn_output.weight", (e, q_dim), mat(e, q_dim)
-        yield p + "ffn_norm.weight", (e,), norm(e)
-        if spec.arch == "qwen3moe":
-            x, f = spec.n_expert, spec.n_ff_exp
-            yield p + "ffn_gate_inp.weight", (x, e), mat(x, e, 4.0)  # the router: spread, so routes are far from ties
-            yield p + "ffn_gate_exps.weight", (x, f, e), experts(x, f, e)
-            yield p + "ffn_up_exps.weight", (x, f, e), experts(x, f, e)
-            yield p + "ffn_down_exps.weight", (x, e, f), experts(x, e, f)
-            continue
-        yield p + "ffn_gate.weight", (spec.n_ff, e), mat(spec.n_ff, e)
-        yield p + "ffn_up.weight", (spec.n_ff, e), mat(spec.n_ff, e)
-        yield p + "ffn_down.weight", (e, spec.n_ff), mat(e, spec.n_ff)
+        if a == "gpt-oss":
+            yield p + "attn_output.bias", (e,), bias(e)
+            yield p + "attn_sinks.weight", (spec.n_head,), bias(spec.n_head)
+        if a in _POST_ATTN_NORM:
+            yield p + "post_attention_norm.weight", (e,), norm(e)
+        if a not in ("olmo2", "gpt-oss", "glm4moe"):
+            yield p + "ffn_norm.weight", (e,), norm(e)
+        if a in MOE_ARCHS and not (a == "glm4moe" and il < spec.n_dense_lead):
+            yield from _moe_ffn(spec, p, mat, experts, bias)
+        elif a == "phi3":  # gate and up fused
+            yield p + "ffn_up.weight", (2 * spec.n_ff, e), mat(2 * spec.n_ff, e)
+            yield p + "ffn_down.weight", (e, spec.n_ff), mat(e, spec.n_ff)
+        else:
+            yield p + "ffn_gate.weight", (spec.n_ff, e), mat(spec.n_ff, e)
+            yield p + "ffn_up.weight", (spec.n_ff, e), mat(spec.n_ff, e)
+            yield p + "ffn_down.weight", (e, spec.n_ff), mat(e, spec.n_ff)
+        if a in ("gemma2", "olmo2"):
+            yield p + "post_ffw_norm.weight", (e,), norm(e)
+        if il >= spec.n_layer:  # glm4moe's NextN layer: the hidden state and the next token's embedding, joined
+            yield p + "nextn.eh_proj.weight", (e, 2 * e), mat(e, 2 * e)
+            for name in ("nextn.enorm.weight", "nextn.hnorm.weight", "nextn.shared_head_norm.weight"):
+                yield p + name, (e,), norm(e)
     yield "output_norm.weight", (e,), norm(e)
-    yield "output.weight", (spec.n_vocab, e), mat(spec.n_vocab, e, 4.0)
+    if a != "gemma2":  # gemma2's lm_head is its token embedding
+        yield "output.weight", (spec.n_vocab, e), mat(spec.n_vocab, e, 4.0)
+
+
+Maker = Callable[[], np.ndarray]
+
+
+def _moe_ffn(spec: SyntheticSpec, p: str, mat: Callable[..., Maker], experts: Callable[[int, int, int], Maker],
+             bias: Callable[..., Maker]) -> Iterator[tuple[str, tuple[int, ...], Maker]]:
+    """A mixture-of-experts FFN: the router, then the experts as 3-D tensors (expert, row, column)."""
+    e, x, f = spec.n_embd, spec.n_expert, spec.n_ff_exp
+    yield p + "ffn_gate_inp.weight", (x, e), mat(x, e, 4.0)  # the router: spread, so routes are far from ties
+    if spec.arch == "gpt-oss":
+        yield p + "ffn_gate_inp.bias", (x,), bias(x)
+    if spec.arch == "glm4moe":  # the routing bias of DeepSeek-V3's auxiliary-loss-free balancing
+        yield p + "exp_probs_b.bias", (x,), bias(x)
+    yield p + "ffn_gate_exps.weight", (x, f, e), experts(x, f, e)
+    yield p + "ffn_up_exps.weight", (x, f, e), experts(x, f, e)
+    yield p + "ffn_down_exps.weight", (x, e, f), experts(x, e, f)
+    if spec.arch == "gpt-oss":
+        yield p + "ffn_gate_exps.bias", (x, f), bias(x, f)
+        yield p + "ffn_up_exps.bias", (x, f), bias(x, f)
+        yield p + "ffn_down_exps.bias", (x, e), bias(x, e)
+    if spec.arch == "glm4moe":
+        s = f * spec.n_expert_shared
+        yield p + "ffn_gate_shexp.weight", (s, e), mat(s, e)
+        yield p + "ffn_up_shexp.weight", (s, e), mat(s, e)
+        yield p + "ffn_down_shexp.weight", (e, s), mat(e, s)
 
 
 def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, dtype: str = "F32",
@@ -125,7 +186,7 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
 
     w = GGUFWriter(os.fspath(path), spec.arch)
     w.add_name(f"synthetic-{spec.arch}-{spec.n_layer}L")
-    w.add_block_count(spec.n_layer)
+    w.add_block_count(spec.n_layer + (spec.n_nextn if spec.arch == "glm4moe" else 0))
     w.add_context_length(spec.n_ctx_train)
     w.add_embedding_length(e)
     w.add_feed_forward_length(spec.n_ff)
@@ -142,13 +203,27 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
         w.add_residual_scale(0.22)
         w.add_attention_scale(1.0 / 64)
         w.add_logit_scale(0.25)
-    if spec.arch == "qwen3moe":
+    if spec.arch in MOE_ARCHS:
         w.add_expert_count(spec.n_expert)
         w.add_expert_used_count(spec.n_expert_used)
         w.add_expert_feed_forward_length(spec.n_ff_exp)
+    if spec.arch == "glm4moe":  # GLM-4.5: sigmoid routing, normalised and scaled weights, partial rotary
+        w.add_expert_shared_count(spec.n_expert_shared)
+        w.add_leading_dense_block_count(spec.n_dense_lead)
+        w.add_expert_weights_scale(2.5)
+        w.add_expert_weights_norm(True)
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        w.add_nextn_predict_layers(spec.n_nextn)
+        w.add_rope_dimension_count(hd // 2)
+    if spec.arch in _SLIDING:
+        w.add_sliding_window(spec.sliding_window)
+    if spec.arch == "gemma2":  # soft-capped attention scores and logits
+        w.add_attn_logit_softcapping(50.0)
+        w.add_final_logit_softcapping(30.0)
     w.add_rope_freq_base(10000.0)
     w.add_file_type(FTYPES[dtype])
-    tokens, scores, types = _vocab(spec.n_vocab)
+    # llama.cpp sets Phi-3's special tokens' attributes by name
+    tokens, scores, types = _vocab(spec.n_vocab, ("<|endoftext|>", "<|end|>") if spec.arch == "phi3" else ())
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores(scores)
@@ -157,21 +232,22 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
 
-    def np_dtype(shape: tuple[int, ...]) -> type:
-        return np.float16 if dtype == "F16" and len(shape) >= 2 else np.float32
+    def np_dtype(name: str, shape: tuple[int, ...]) -> type:
+        # biases stay F32 however many dimensions they have (gpt-oss's expert biases are 2-D): ggml adds only F32
+        return np.float16 if dtype == "F16" and len(shape) >= 2 and name.endswith(".weight") else np.float32
 
     tensors = list(_tensors(spec, rng))
     total = 0
     for name, shape, _ in tensors:
-        nbytes = int(np.prod(shape)) * np.dtype(np_dtype(shape)).itemsize
-        w.add_tensor_info(name, shape, np.dtype(np_dtype(shape)), nbytes)
+        nbytes = int(np.prod(shape)) * np.dtype(np_dtype(name, shape)).itemsize
+        w.add_tensor_info(name, shape, np.dtype(np_dtype(name, shape)), nbytes)
         total += nbytes
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     done = 0
-    for _, shape, make in tensors:
-        data = make().astype(np_dtype(shape), copy=False)
+    for name, shape, make in tensors:
+        data = make().astype(np_dtype(name, shape), copy=False)
         w.write_tensor_data(data)
         done += data.nbytes
         if progress:
@@ -180,26 +256,37 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
     return Path(path)
 
 
-def spec_for_size(size_bytes: int, n_layer: int, *, ftype: str = "Q4_K_M", n_vocab: int = 4096,
-                  seed: int = 0) -> SyntheticSpec:
-    """A llama-architecture shape whose `ftype` file is about `size_bytes`: Llama-3-like proportions (head dim
-    128, FFN 3.5x the embedding, a quarter as many KV heads), the embedding a multiple of 256 for k-quants."""
-    bits = {"Q4_K_M": 4.85, "Q4_K_S": 4.6, "Q5_K_M": 5.7, "Q6_K": 6.6, "Q8_0": 8.5, "F16": 16, "F32": 32}[ftype]
-    # per layer: q and o (e^2 each), k and v (e^2/4 each), gate, up and down (3 x 3.5 e^2) = 12.75 e^2 weights
+def spec_for_size(size_bytes: int, n_layer: int, *, ftype: str = "Q4_K_M", n_vocab: int = 4096, seed: int = 0,
+                  arch: str = "llama", n_expert: int = 64, n_expert_used: int = 8) -> SyntheticSpec:
+    """A shape of `arch` whose `ftype` file is about `size_bytes`: Llama-3-like proportions (head dim 128, a quarter
+    as many KV heads, FFN 3.5x the embedding), the embedding a multiple of 256 for k-quants. A mixture of experts
+    (MOE_ARCHS) gets n_expert experts of half the embedding's width each, n_expert_used a token (Qwen3-30B-A3B:
+    128 of 0.375x, 8 a token)."""
+    if arch not in ARCHS:
+        raise ValueError(f"no synthetic writer for architecture {arch!r} (have {', '.join(ARCHS)})")
+    bits = {"Q4_K_M": 4.85, "Q4_K_S": 4.6, "Q5_K_M": 5.7, "Q6_K": 6.6, "Q8_0": 8.5, "F16": 16, "F32": 32,
+            "MXFP4_MOE": 4.25}[ftype]
+    moe = arch in MOE_ARCHS
+    # weights per layer in units of e^2: q and o (1 each), k and v (1/4 each); then gate, up and down (3 x 3.5),
+    # or for experts of width e/2, 1.5 per expert (and glm4moe's shared expert 1.5 more)
+    per_e2 = 2.5 + (1.5 * n_expert + (1.5 if arch == "glm4moe" else 0.0) if moe else 10.5)
     per_layer_weights = size_bytes * 8 / bits / n_layer
-    e = max(256, int(round((per_layer_weights / 12.75) ** 0.5 / 256)) * 256)
+    e = max(256, int(round((per_layer_weights / per_e2) ** 0.5 / 256)) * 256)
     n_head = e // 128 if e >= 512 else 4
     n_head_kv = max(d for d in range(1, n_head + 1) if n_head % d == 0 and d <= max(1, n_head // 4))
     n_ff = int(round(3.5 * e / 256)) * 256
-    return SyntheticSpec(arch="llama", n_layer=n_layer, n_embd=e, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
-                         n_vocab=n_vocab, seed=seed)
+    extra = dict(n_expert=n_expert, n_expert_used=n_expert_used, n_ff_exp=max(256, e // 2 // 256 * 256)) if moe else {}
+    return SyntheticSpec(arch=arch, n_layer=n_layer, n_embd=e, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
+                         n_vocab=n_vocab, seed=seed, **extra)
 
 
 def write_sized_model(path: str | os.PathLike[str], size_bytes: int, n_layer: int, *, ftype: str = "Q4_K_M",
-                      seed: int = 0, progress: Callable[[str, int, int], None] | None = None) -> Path:
-    """A llama-architecture GGUF of about `size_bytes` with `n_layer` layers, quantized by llama.cpp to `ftype`.
-    The F16 original is written beside `path` (about 16/bits as large) and deleted afterwards."""
-    spec = spec_for_size(size_bytes, n_layer, ftype=ftype, seed=seed)
+                      seed: int = 0, progress: Callable[[str, int, int], None] | None = None,
+                      arch: str = "llama", n_expert: int = 64, n_expert_used: int = 8) -> Path:
+    """A GGUF of `arch` of about `size_bytes` with `n_layer` layers (spec_for_size), quantized by llama.cpp to
+    `ftype`. The F16 original is written beside `path` (about 16/bits as large) and deleted afterwards."""
+    spec = spec_for_size(size_bytes, n_layer, ftype=ftype, seed=seed, arch=arch, n_expert=n_expert,
+                         n_expert_used=n_expert_used)
     out = Path(path)
     tmp = out.with_name(out.name + ".f16.tmp")
     try:
