@@ -15,10 +15,8 @@ from pathlib import Path
 
 import numpy as np
 from gguf import ExpertGatingFuncType, GGUFWriter
-from llama_cpp import llama_cpp as _ll
 
 from primaplug.core.errors import EngineError, ModelFormatError
-from primaplug.engine import _log
 
 # llama_ftype values of llama.h (MXFP4_MOE: experts in MXFP4, as gpt-oss ships; the rest Q8_0)
 FTYPES = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K_M": 15, "Q4_K_S": 14, "Q5_K_M": 17, "Q6_K": 18, "MXFP4_MOE": 38}
@@ -306,6 +304,10 @@ def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], ftype: st
     """Quantize a GGUF with llama.cpp's own quantizer (ftype: "Q4_K_M", "Q8_0", ... see FTYPES)."""
     if ftype not in FTYPES:
         raise ValueError(f"unknown ftype {ftype!r}; choose one of {', '.join(FTYPES)}")
+    from llama_cpp import llama_cpp as _ll  # here: writing a model, and `primaplug synth --help`, need no engine
+
+    from primaplug.engine import _log
+
     _log.install()
     params = _ll.llama_model_quantize_default_params()
     params.ftype = FTYPES[ftype]
