@@ -152,3 +152,30 @@ def test_streaming_layer_by_layer_releases_what_its_plan_streams(streaming_model
     for w, s in zip(whole, layered, strict=True):
         assert w >= 0.9 * window_bytes, "whole windows: all of it released, and re-read, every token"
         assert 0 < s <= (1 - per_layer.keep_fraction) * window_bytes * 1.05, (s, window_bytes)
+
+
+def test_a_streaming_mixture_of_experts_reads_only_the_chosen_experts(model_dir: Path, tmp_path: Path) -> None:
+    """qwen3moe over two nodes whose budget of 1 MiB holds no window: each reads its routed experts as the tokens
+    choose them (memory/experts.py), and the tokens are plain llama-cpp-python's. What it read is no more than
+    the chosen experts plus its predictions; with --whole-experts it streams whole layers instead."""
+    import llama_cpp
+
+    from tests.conftest import synthetic_path
+
+    model = synthetic_path(model_dir, "qwen3moe", 7, "Q4_K_M")
+    plain = llama_cpp.Llama(str(model), **LLAMA_KWARGS)
+    try:
+        want, _ = greedy_scores(plain, [3 + 5 * i for i in range(40)], 16)
+    finally:
+        plain.close()
+    tokens, statuses = _run(model, tmp_path / "experts", ["--memory-budget", "1"])
+    assert tokens == want
+    for s in statuses:
+        e = s.experts
+        assert e is not None and "routed experts read as tokens choose them" in s.memory_mode, s
+        assert e.tokens == 17 and e.chosen >= 17 * 3 * 2, e  # the prompt and 16 steps; 3 or 4 layers, 2 experts
+        assert 0 < e.bytes_read <= e.bytes_chosen + e.bytes_predicted_unused, e
+        assert e.resident + e.predicted <= e.chosen
+    whole_tokens, whole = _run(model, tmp_path / "whole", ["--memory-budget", "1", "--whole-experts"])
+    assert whole_tokens == want
+    assert all(s.experts is None and "routed experts" not in s.memory_mode and s.bytes_released > 0 for s in whole)

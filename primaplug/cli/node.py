@@ -45,6 +45,9 @@ def add_parser(sub: Any) -> None:
     node.add_argument("--layer-streaming", action="store_true",
                       help="stream a window that does not fit layer by layer, keeping part of every layer and "
                       "prefetching as many layers ahead as fit (docs/memory.md)")
+    node.add_argument("--whole-experts", action="store_true",
+                      help="stream a mixture of experts' layers whole, every expert included, instead of reading "
+                      "only the experts its tokens choose (for comparisons: docs/memory.md)")
     node.add_argument("--cpu-strict", choices=("auto", "0", "1"), default="auto",
                       help="pin each compute thread to a core of its own (llama.cpp's name): 1 always, 0 never, "
                       "auto when the threads use every core (default)")
@@ -86,7 +89,7 @@ def main(args: argparse.Namespace) -> int:
     memory = MemorySettings(
         budget_bytes=args.memory_budget << 20 if args.memory_budget is not None else None,
         switches=Switches(prefetch=not args.no_prefetch, release=not args.no_release, keep=not args.no_keep,
-                          layers=args.layer_streaming))
+                          layers=args.layer_streaming, experts=not args.whole_experts))
     settings = NodeSettings(models=tuple(Path(m) for m in args.model), host=host, port=port,
                             name=args.name or platform.node(), secure=keys is not None, memory=memory,
                             profile_dir=Path(args.profile_dir) if args.profile_dir else None,

@@ -23,12 +23,28 @@ class MemorySettings:
 
 
 @dataclass(frozen=True)
+class ExpertPlan:
+    """A streaming mixture of experts: its routed experts are read as tokens choose them (memory/experts.py),
+    and kept, the most used first, within budget_bytes; the prefetch plan covers the rest of each layer."""
+
+    budget_bytes: int  # for the hot set
+    total_bytes: int  # the device's whole budget for weights, the rest of the layers' included
+    slices: dict[int, tuple[tuple[int, int], ...]]  # per layer: ModelLayout.expert_slices
+    n_expert: int
+    n_used: int
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
-    prefetch: PrefetchPlan  # whole windows, or layers when per_layer
+    prefetch: PrefetchPlan  # whole windows, or layers when per_layer; without the routed experts when experts
     per_layer: bool  # a streaming device going layer by layer (--layer-streaming)
+    experts: ExpertPlan | None = None
 
     def describe(self) -> str:
-        return self.prefetch.describe()
+        if self.experts is None:
+            return self.prefetch.describe()
+        return (f"routed experts read as tokens choose them, the most used kept within "
+                f"{self.experts.budget_bytes >> 20} MiB; the rest of each layer: {self.prefetch.describe()}")
 
 
 def cpu_parts(windows: Sequence[LayerRange], gpu_layers: Collection[int]) -> list[LayerRange]:
@@ -77,6 +93,8 @@ def plan_memory(layout: ModelLayout, windows: list[LayerRange], *, n_ctx: int, n
         weights_budget(view, reserved + extra_weights)
     sw = memory.switches
     plan = plan_prefetch([layout.window_ranges(r) for r in windows], budget, keep=sw.keep)
+    if plan.mode == "stream" and layout.n_expert and sw.experts:
+        return _plan_experts(layout, windows, budget, keep=sw.keep)
     per_layer = plan.mode == "stream" and sw.layers
     if per_layer:  # one unit per layer (device/windows.py: PrefetchHooks)
         # room for a window's layers ahead beside the one computing: a device reads the next window while the
@@ -85,3 +103,17 @@ def plan_memory(layout: ModelLayout, windows: list[LayerRange], *, n_ctx: int, n
         plan = plan_prefetch([layout.window_ranges(LayerRange(il, il + 1)) for r in windows
                               for il in range(r.start, r.end)], budget, keep=sw.keep, unit="layer", slots=slots)
     return MemoryPlan(plan, per_layer)
+
+
+def _plan_experts(layout: ModelLayout, windows: list[LayerRange], budget: int, *, keep: bool) -> MemoryPlan:
+    """A mixture of experts that does not fit: the rest of its layers is planned as any window, within the budget
+    less a working set of experts (one layer's chosen experts for a token and the next layer's predicted ones);
+    what that plan leaves of the budget holds the experts' hot set."""
+    layers = [il for r in windows for il in range(r.start, r.end)]
+    slices = {il: s for il in layers if (s := layout.expert_slices(il))}
+    working = 2 * layout.n_expert_used * max((layout.expert_bytes(il) for il in slices), default=0)
+    rest = plan_prefetch([layout.window_ranges(r, experts=False) for r in windows], max(0, budget - working),
+                         keep=keep)
+    used = sum(n for _, n in rest.keep) if rest.mode == "resident" else rest.budget_bytes
+    experts = ExpertPlan(max(working, budget - used), budget, slices, layout.n_expert, layout.n_expert_used)
+    return MemoryPlan(rest, per_layer=False, experts=experts)

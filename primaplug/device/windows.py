@@ -13,6 +13,7 @@ import numpy as np
 from primaplug.core.windows import LayerRange
 from primaplug.device.memory import MemoryPlan, MemorySettings, cpu_parts, plan_memory
 from primaplug.engine import ModelLayout
+from primaplug.memory.experts import ExpertCache, load_routers
 from primaplug.memory.prefetcher import Prefetcher
 
 if TYPE_CHECKING:  # the engine's native library loads when windows do (load()), not when the head is imported
@@ -41,6 +42,7 @@ class PrefetchHooks:
         self.cpu_ranges = list(cpu_ranges)
         self.first: dict[int, int] = {}  # round -> index of its window's first unit
         self.prefetcher: Prefetcher | None = None
+        self.experts: ExpertCache | None = None  # a streaming mixture of experts' routed experts
         self._current: int | None = None
         n = 0
         for r, part in enumerate(self.cpu_ranges):
@@ -76,6 +78,8 @@ class PrefetchHooks:
         if p is None or round_ not in self.first:
             return
         last_round = round_ == max(self.first)
+        if last_round and self.experts is not None:
+            self.experts.token_done()
         if not self.per_layer:
             p.window_done(self.first[round_], last_of_token=last_round)
         elif self._current is not None:
@@ -88,9 +92,9 @@ class DeviceWindows:
     mapping of the file, with their memory plan and prefetcher. Nodes and the head both run their layers here."""
 
     def __init__(self, model: Model, windows: list[Window | None], plan: MemoryPlan, hooks: PrefetchHooks,
-                 prefetcher: Prefetcher | None) -> None:
+                 prefetcher: Prefetcher | None, experts: ExpertCache | None = None) -> None:
         self.model, self.windows, self.plan, self.hooks = model, windows, plan, hooks
-        self.prefetcher = prefetcher
+        self.prefetcher, self.experts = prefetcher, experts
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], layout: ModelLayout, ranges: Sequence[LayerRange], *,
@@ -120,19 +124,40 @@ class DeviceWindows:
                       progress=lambda f, what: progress(0.05 + 0.05 * f, what))
         log.info("windows %s: %s", names, model.describe_kernels())
         hooks = PrefetchHooks(on_cpu, per_layer=plan.per_layer)
+        experts = None
         try:
             if used:
                 shared = len(used) > 1 and model.can_share_context
                 progress(0.1, f"creating windows {names}{' on one shared context' if shared else ''}")
+            if plan.experts is not None:
+                e = plan.experts
+                experts = ExpertCache(model.source, e.slices, e.n_expert, e.budget_bytes, n_used=e.n_used,
+                                      routers=load_routers(sorted(e.slices), layout.read_tensor))
             windows = model.round_windows(ranges, settings=context,
-                                          on_layer=[hooks.on_layer(i) for i in range(len(ranges))])
+                                          on_layer=[hooks.on_layer(i) for i in range(len(ranges))],
+                                          on_route=experts.on_route if experts is not None else None)
             model.pause_threads()  # asleep until work comes (awake())
             prefetcher = Prefetcher(model.source, plan.prefetch, memory.switches) if used else None
         except BaseException:
+            if experts is not None:
+                experts.close()
             model.close()
             raise
-        hooks.prefetcher = prefetcher
-        return cls(model, windows, plan, hooks, prefetcher)
+        hooks.prefetcher, hooks.experts = prefetcher, experts
+        return cls(model, windows, plan, hooks, prefetcher, experts)
+
+    @property
+    def memory_mode(self) -> str:
+        """How the device's windows come into memory, for its status."""
+        mode = self.prefetcher.mode if self.prefetcher is not None else "relay (no layers)"
+        if self.experts is None:
+            return mode
+        return f"routed experts read as tokens choose them, the rest of each layer {mode}"
+
+    @property
+    def budget_bytes(self) -> int:
+        """What the windows' weights may use (with experts read as chosen, their hot set's included)."""
+        return self.plan.experts.total_bytes if self.plan.experts else self.plan.prefetch.budget_bytes
 
     def window(self, round_: int) -> Window | None:
         return self.windows[round_] if round_ < len(self.windows) else None
@@ -183,4 +208,7 @@ class DeviceWindows:
             self.prefetcher.close()
             self.prefetcher = None
         self.model.close()
+        if self.experts is not None:  # after the model: no window computes any more
+            self.experts.close()
+            self.experts = None
 

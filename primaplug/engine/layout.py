@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from primaplug.core.errors import ModelFormatError, UnsupportedArchitectureError
@@ -164,11 +165,45 @@ class ModelLayout:
 
     # --- byte ranges ---------------------------------------------------------------------------------------
 
-    def window_ranges(self, window: LayerRange) -> list[tuple[int, int]]:
-        """Merged (offset, length) byte ranges of the tensors of the layers in the window."""
+    def window_ranges(self, window: LayerRange, *, experts: bool = True) -> list[tuple[int, int]]:
+        """Merged (offset, length) byte ranges of the tensors of the layers in the window; without their routed
+        experts when `experts` is False (a node that reads those as tokens route to them, memory/experts.py)."""
         window.check_within(self.n_layer)
-        spans = [t for il in range(window.start, window.end) for t in self.layer_tensors(il)]
+        spans = [t for il in range(window.start, window.end) for t in self.layer_tensors(il)
+                 if experts or not self.is_routed_expert(t)]
         return merge_ranges((t.offset, t.nbytes) for t in spans)
+
+    # --- mixture of experts -------------------------------------------------------------------------------
+
+    def is_routed_expert(self, t: TensorSpan) -> bool:
+        """A routed experts' weight ([cols, rows, n_expert] in GGUF's order): expert e's matrix is the e-th of
+        n_expert equal, contiguous slices. Their biases (gpt-oss) are small and go with the rest of the layer."""
+        return (bool(self.n_expert) and t.layer is not None and t.name.endswith("_exps.weight")
+                and len(t.shape) == 3 and t.shape[2] == self.n_expert)
+
+    def expert_slices(self, layer: int) -> tuple[tuple[int, int], ...]:
+        """(offset, bytes per expert) of each routed expert weight of a layer: expert e reads [offset + e * n, n)
+        of each. Empty for a dense layer (glm4moe's first)."""
+        return tuple((t.offset, t.nbytes // self.n_expert) for t in self.layer_tensors(layer)
+                     if self.is_routed_expert(t))
+
+    def read_tensor(self, name: str) -> np.ndarray | None:
+        """A tensor's values as float32, dequantized by gguf (ggml's dimensions reversed: a matrix is (rows,
+        cols)), or None when the file has no such tensor. For small tensors: it is read whole."""
+        from gguf.quants import dequantize
+
+        t = self.tensor(name)
+        if t is None:
+            return None
+        with open(self.path, "rb") as f:
+            raw = np.frombuffer(os.pread(f.fileno(), t.nbytes, t.offset), dtype=np.uint8)
+        rows = max(1, int(np.prod(t.shape[1:])))
+        values = dequantize(raw.reshape(rows, -1), GGMLQuantizationType[t.type_name])
+        return np.asarray(values, dtype=np.float32).reshape(tuple(reversed(t.shape)))
+
+    def expert_bytes(self, layer: int) -> int:
+        """What one routed expert of the layer takes, over its gate, up and down matrices."""
+        return sum(n for _, n in self.expert_slices(layer))
 
     def output_ranges(self) -> list[tuple[int, int]]:
         return merge_ranges((t.offset, t.nbytes) for t in self.output_tensors)

@@ -27,7 +27,7 @@ from primaplug.core.windows import LayerRange
 from primaplug.engine import _log, _native
 from primaplug.engine.affinity import on_cpu, pinned_cpus
 from primaplug.engine.layout import ModelLayout, read_layout
-from primaplug.engine.progress import LayerProgress
+from primaplug.engine.progress import LayerProgress, OnRoute
 from primaplug.engine.repacked import CHUNK_BYTES, RepackedCopy, needs_copy, repacked_copy
 
 # ggml's polling level (llama.cpp's own default) for compute threads that are about to be given work: windows
@@ -234,12 +234,14 @@ class Model:
         output_hidden: bool | None = None,
         settings: ContextSettings | None = None,
         on_layer: Callable[[int], None] | None = None,
+        on_route: OnRoute | None = None,
     ) -> Window:
         """Open a context over layers [start, end) of this model.
 
         output_hidden defaults to True for a window that ends before the last layer, False otherwise.
         [n_layer, n_layer) is the output-only window: hidden state in, logits out.
-        on_layer(il) is called from the computing thread when layer il starts (engine/progress.py).
+        on_layer(il) is called from the computing thread when layer il starts, on_route(il, experts, x) when a
+        mixture of experts' layer il has chosen its experts, before they compute (engine/progress.py).
         """
         rng = LayerRange(start, end)
         n_layer = self.layout.n_layer
@@ -254,7 +256,7 @@ class Model:
         if not hidden and not self.output:
             raise WindowRangeError(f"window {rng} outputs logits, but this Model was loaded with output=False")
         context = _Context(
-            self, settings or ContextSettings(), on_layer is not None,
+            self, settings or ContextSettings(), on_layer is not None, on_route,
             lambda params: _native.llama_init_window_from_model(self._ptr, params, start, end, hidden),
             f"window {rng}")
         return Window(self, rng, hidden, context, on_layer=on_layer)
@@ -279,6 +281,7 @@ class Model:
         *,
         settings: ContextSettings | None = None,
         on_layer: Sequence[Callable[[int], None] | None] | None = None,
+        on_route: OnRoute | None = None,
     ) -> list[Window]:
         """Open windows that run one at a time, in the given order, on one llama.cpp context: a device's windows,
         one per round of a pipelined ring. They output hidden states. One KV cache holds all their layers, and
@@ -287,7 +290,8 @@ class Model:
 
         The first window places each batch's tokens in the cache; a later one must compute the same positions after
         it (the ring's order) and writes its layers into the same cells. The KV methods of any of them apply to all.
-        windows: non-empty, disjoint, in increasing layer order. on_layer: one callback (or None) per window.
+        windows: non-empty, disjoint, in increasing layer order. on_layer: one callback (or None) per window;
+        on_route: one for all (window()).
         """
         ranges = [_as_range(w) for w in windows]
         hooks = list(on_layer) if on_layer is not None else [None] * len(ranges)
@@ -306,7 +310,7 @@ class Model:
             self._check_loaded(r)
         bounds = (ctypes.c_int32 * (2 * len(ranges)))(*(x for r in ranges for x in (r.start, r.end)))
         context = _Context(
-            self, settings or ContextSettings(), any(h is not None for h in hooks),
+            self, settings or ContextSettings(), any(h is not None for h in hooks), on_route,
             lambda params: _native.llama_init_windows_from_model(self._ptr, params, bounds, len(ranges)),
             f"a context for windows {', '.join(map(str, ranges))}")
         context.selected = 0
@@ -319,20 +323,21 @@ class Model:
         *,
         settings: ContextSettings | None = None,
         on_layer: Sequence[Callable[[int], None] | None] | None = None,
+        on_route: OnRoute | None = None,
     ) -> list[Window | None]:
         """A device's windows, one per round of a ring (None for a round in which it runs no layer), all outputting
         hidden states: on one shared context where the model allows it (shared_windows), one context each
-        otherwise. on_layer: one callback (or None) per round."""
+        otherwise. on_layer: one callback (or None) per round; on_route: one for all (window())."""
         hooks = list(on_layer) if on_layer is not None else [None] * len(ranges)
         if len(hooks) != len(ranges):
             raise WindowRangeError(f"{len(ranges)} round(s) but {len(hooks)} on_layer entries")
         used = [i for i, r in enumerate(ranges) if r.n_layers]
         if len(used) > 1 and self.can_share_context:
             shared = iter(self.shared_windows([ranges[i] for i in used], settings=settings,
-                                              on_layer=[hooks[i] for i in used]))
+                                              on_layer=[hooks[i] for i in used], on_route=on_route))
             return [next(shared) if r.n_layers else None for r in ranges]
-        return [self.window(r.start, r.end, output_hidden=True, settings=settings, on_layer=h) if r.n_layers else None
-                for r, h in zip(ranges, hooks, strict=True)]
+        return [self.window(r.start, r.end, output_hidden=True, settings=settings, on_layer=h, on_route=on_route)
+                if r.n_layers else None for r, h in zip(ranges, hooks, strict=True)]
 
     def _threadpool(self, settings: ContextSettings) -> tuple[int, int | None]:
         """The CPU thread pool shared by this model's windows with the same settings, and the core its calling
@@ -434,22 +439,18 @@ class _Batch:
         _ll.llama_batch_free(self.raw)
 
 
-def _ignore_layer(_il: int) -> None:
-    pass
-
-
 class _Context:
     """A llama.cpp context with its batches: one window's own, or one shared by several windows of a Model
     (Model.shared_windows), which run one at a time and select themselves before they compute."""
 
-    def __init__(self, model: Model, settings: ContextSettings, with_progress: bool,
+    def __init__(self, model: Model, settings: ContextSettings, with_progress: bool, on_route: OnRoute | None,
                  create: Callable[[_ll.llama_context_params], int | None], what: str) -> None:
         self.settings = settings
         self.n_embd = model.layout.n_embd
         pool, self.cpu = model._threadpool(settings)  # the core the calling thread computes on, if pinned
         params = settings.params()
         # one callback per context; a shared context points it at the selected window's on_layer
-        self.progress = LayerProgress(_ignore_layer) if with_progress else None
+        self.progress = LayerProgress(None, on_route) if with_progress or on_route is not None else None
         if self.progress is not None:
             params.cb_eval = self.progress.callback
         ptr = create(params)
@@ -498,7 +499,7 @@ class Window:
         self.cpu = context.cpu
         self.context = context  # windows with the same context share its KV cache (kv_* apply to all of them)
         self._index = index  # its place in a shared context; None: the context is its own
-        self._on_layer = on_layer or _ignore_layer
+        self._on_layer = on_layer
         self._ctx = context.ptr
         self._closed = False
         context.windows_open += 1

@@ -27,6 +27,7 @@ class Switches:
     release: bool = True
     keep: bool = True
     layers: bool = False  # a node that streams goes layer by layer (True) or whole windows (docs/memory.md: why off)
+    experts: bool = True  # a streaming mixture of experts reads only the routed experts (memory/experts.py)
 
 
 @dataclass

@@ -313,10 +313,10 @@ class Node:
             p.wait_idle(2.0)  # the measurements of a settled device: a release may still be under way after a token
             pressure = memory_view().pressure_since(self._used_at_start)
             status = msgspec.structs.replace(
-                status, memory_mode=p.mode, bytes_prefetched=p.stats.bytes_prefetched,
+                status, memory_mode=dep.device.memory_mode, bytes_prefetched=p.stats.bytes_prefetched,
                 bytes_released=p.stats.bytes_released, major_faults_per_token=p.stats.major_faults_per_token,
                 resident_bytes=p.resident_bytes(), memory_pressure=pressure,
-                memory_budget_bytes=p.plan.budget_bytes)
+                memory_budget_bytes=dep.device.budget_bytes, experts=dep.expert_traffic())
         return status
 
     def _profile(self, req: GetProfile) -> ProfileReply | ErrorReply:

@@ -17,7 +17,7 @@ from primaplug.engine import BUSY_POLL, ContextSettings, ModelLayout
 from primaplug.engine.affinity import on_cpu
 from primaplug.memory.prefetcher import Prefetcher
 from primaplug.transport import RingOut, Transport
-from primaplug.wire import Activation, Assignment, KvOp, window_output
+from primaplug.wire import Activation, Assignment, ExpertTraffic, KvOp, window_output
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,17 @@ class Deployment:
     @property
     def prefetcher(self) -> Prefetcher | None:  # None for a relay
         return self.device.prefetcher
+
+    def expert_traffic(self) -> ExpertTraffic | None:
+        """A streaming mixture of experts' reads of its routed experts; None when it reads whole layers."""
+        cache = self.device.experts
+        if cache is None:
+            return None
+        cache.wait_idle()
+        s = cache.stats
+        return ExpertTraffic(tokens=s.tokens, chosen=s.needed, resident=s.resident, predicted=s.predicted,
+                             bytes_chosen=s.bytes_needed, bytes_read=s.bytes_read,
+                             bytes_predicted_unused=s.bytes_predicted_unused)
 
     def run(self, msg: Activation, rows: np.ndarray) -> tuple[Activation, np.ndarray]:
         """Compute this node's window of the message's round; returns what goes to the successor."""

@@ -86,7 +86,7 @@ def _ffn_width(tensors: tuple[TensorSpan, ...], n_expert_used: int = 0) -> int:
 def _token_share(t: TensorSpan, layout: ModelLayout) -> float:
     """The share of a tensor's weights one token multiplies with: n_expert_used of the n_expert experts of a routed
     expert tensor ([cols, rows, n_expert] in GGUF's order), all of any other."""
-    if layout.n_expert and len(t.shape) == 3 and t.shape[2] == layout.n_expert and "_exps." in t.name:
+    if layout.is_routed_expert(t):
         return layout.n_expert_used / layout.n_expert
     return 1.0
 

@@ -11,6 +11,7 @@ from primaplug.wire.messages import (
     ControlRequest,
     DeviceFacts,
     ErrorReply,
+    ExpertTraffic,
     GetProfile,
     GetStatus,
     HeadTag,
@@ -42,7 +43,8 @@ from primaplug.wire.ring import (
 
 __all__ = [
     "PROTOCOL_VERSION", "Activation", "Assignment", "ControlReply", "ControlRequest", "DeviceFacts", "ErrorReply",
-    "GetProfile", "GetStatus", "HeadTag", "Hello", "Holder", "KvOp", "LoadAssignment", "ModelIdentity", "Part",
+    "ExpertTraffic", "GetProfile", "GetStatus", "HeadTag", "Hello", "Holder", "KvOp", "LoadAssignment",
+    "ModelIdentity", "Part",
     "ProfileReply", "RingError", "RingFrameError", "RingMessage", "Shutdown", "Status", "Unload", "Welcome",
     "WindowSpec", "decode_reply", "decode_request", "decode_ring", "encode", "encode_ring", "window_output",
 ]

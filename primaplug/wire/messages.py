@@ -77,6 +77,26 @@ class Assignment(msgspec.Struct, frozen=True):
         return self.n_ctx // max(1, self.n_seq_max)
 
 
+class ExpertTraffic(msgspec.Struct, frozen=True):
+    """What a node streaming a mixture of experts read for its routed experts since its windows loaded
+    (memory/experts.py): the experts its layers chose, those already in memory or predicted, and the bytes."""
+
+    tokens: int = 0
+    chosen: int = 0  # (layer, expert) choices
+    resident: int = 0  # of those, in memory when chosen
+    predicted: int = 0  # of those, read ahead because the next layer's choice was predicted
+    bytes_chosen: int = 0  # what a reader of exactly the chosen experts reads
+    bytes_read: int = 0
+    bytes_predicted_unused: int = 0
+
+    def describe(self) -> str:
+        mib, t = 2**20, max(1, self.tokens)
+        share = (lambda n: n / self.chosen) if self.chosen else (lambda n: 0.0)
+        return (f"experts {self.bytes_read / t / mib:.1f} MiB read a token for {self.bytes_chosen / t / mib:.1f} "
+                f"MiB chosen, {share(self.resident):.0%} of the chosen resident, {share(self.predicted):.0%} "
+                f"predicted")
+
+
 class HeadTag(msgspec.Struct, frozen=True):
     """The head that sends a request. A node belongs to one head at a time (node/owner.py): the head whose
     requests it last accepted, for as long as that head keeps speaking (HEAD_LEASE_S)."""
@@ -195,6 +215,7 @@ class Status(_Msg, tag="status_reply"):
     resident_bytes: int = 0  # of the node's windows, by mincore
     memory_pressure: float = 0.0  # drop in available memory since the node started, over total (cgroup) memory
     memory_budget_bytes: int = 0  # what the node's windows' weights may use (computed at load, or --memory-budget)
+    experts: ExpertTraffic | None = None  # a mixture of experts whose routed experts it reads as chosen
     holder: Holder | None = None  # the head the node belongs to; None: free (none, or its lease lapsed)
 
 

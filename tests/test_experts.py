@@ -1,0 +1,133 @@
+"""Routed experts read as tokens choose them (memory/experts.py): what is read, kept, predicted and released; and
+the engine's report of each layer's choice (engine/progress.py), which must leave the outputs as they were."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from primaplug.memory.experts import ExpertCache, Router
+
+N_EXPERT, SLICE = 8, 3 * 4096  # 3 tensors a layer, each expert's slice of each 12 KiB
+
+
+class _Releases:
+    """An Advisor that records what is released (the real one drops pages of a mapping this test has not)."""
+
+    def __init__(self) -> None:
+        self.released: list[tuple[int, int]] = []
+
+    def release(self, ranges: list[tuple[int, int]]) -> int:
+        self.released += ranges
+        return sum(n for _, n in ranges)
+
+    def close(self) -> None:
+        pass
+
+
+def _cache(tmp_path: Path, budget_experts: int, **kw) -> tuple[ExpertCache, _Releases, dict]:
+    """Two layers of three expert tensors each, laid out one after the other in a file of known bytes."""
+    path = tmp_path / "experts.bin"
+    layers, slices, off = (0, 1), {}, 0
+    for il in layers:
+        slices[il] = tuple((off + k * N_EXPERT * SLICE, SLICE) for k in range(3))
+        off += 3 * N_EXPERT * SLICE
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, off, dtype=np.uint8).tobytes())
+    releases = _Releases()
+    cache = ExpertCache(str(path), slices, N_EXPERT, budget_experts * 3 * SLICE, advisor=releases, **kw)
+    return cache, releases, slices
+
+
+def test_only_the_chosen_experts_are_read_and_kept_ones_are_not_read_again(tmp_path: Path) -> None:
+    cache, releases, _ = _cache(tmp_path, budget_experts=16)
+    try:
+        cache.on_route(0, np.array([[1, 3], [3, 5]], dtype=np.int32), None)  # two tokens: experts 1, 3, 5
+        s = cache.stats
+        assert (s.needed, s.resident, s.bytes_read, s.bytes_needed) == (3, 0, 3 * 3 * SLICE, 3 * 3 * SLICE)
+        cache.token_done()
+        cache.on_route(0, np.array([[3, 6]], dtype=np.int32), None)
+        assert (s.needed, s.resident, s.bytes_read) == (5, 1, 4 * 3 * SLICE)  # 3 was resident, 6 read
+        assert cache.resident_experts() == 4 and not releases.released
+    finally:
+        cache.close()
+
+
+def test_over_budget_the_coldest_experts_go_never_the_ones_just_chosen(tmp_path: Path) -> None:
+    cache, releases, slices = _cache(tmp_path, budget_experts=3)
+    try:
+        for _ in range(3):  # expert 2 of layer 0 is used three tokens running: the hottest
+            cache.need(0, [2])
+            cache.token_done()
+        cache.need(0, [4])
+        cache.need(1, [0])
+        cache.token_done()
+        cache.need(1, [5, 6])  # five experts' worth: two must go, the coldest that was not just chosen
+        assert cache.resident_experts() == 3
+        gone = {(off - slices[il][0][0]) // SLICE for il in (0, 1) for off, _ in releases.released
+                if slices[il][0][0] <= off < slices[il][0][0] + N_EXPERT * SLICE}
+        assert gone == {4, 0}, releases.released  # layer 0's expert 4 and layer 1's expert 0; 2 stays
+        assert cache.stats.bytes_released == 2 * 3 * SLICE
+    finally:
+        cache.close()
+
+
+def test_a_prediction_reads_ahead_and_is_counted_when_chosen_or_wasted(tmp_path: Path) -> None:
+    weight = np.eye(N_EXPERT, 4, dtype=np.float32)  # expert e scores x[e] (e < 4)
+    cache, _, _ = _cache(tmp_path, budget_experts=16, routers={1: Router(weight)}, n_used=2)
+    try:
+        x = np.array([[0.0, 5.0, 4.0, 0.0]], dtype=np.float32)  # layer 1's router would choose experts 1 and 2
+        cache.on_route(0, np.array([[7, 0]], dtype=np.int32), x)
+        cache.wait_idle()
+        assert cache.stats.bytes_read == 4 * 3 * SLICE  # 7 and 0 of layer 0, predicted 1 and 2 of layer 1
+        cache.need(1, [1, 3])
+        s = cache.stats
+        assert (s.needed, s.predicted, s.resident) == (4, 1, 0)
+        cache.token_done()
+        assert s.bytes_predicted_unused == 3 * SLICE  # expert 2 of layer 1 was predicted, not chosen
+    finally:
+        cache.close()
+
+
+def test_router_choice_with_logit_bias_and_sigmoid_selection_bias() -> None:
+    rng = np.random.default_rng(1)
+    w, x = rng.standard_normal((16, 8)), rng.standard_normal((5, 8))
+    b, sel = rng.standard_normal(16), 3.0 * rng.standard_normal(16)
+    got = Router(w, b, sel).choose(x, 4)
+    scores = 1 / (1 + np.exp(-(x @ w.T + b))) + sel
+    want = np.argsort(-scores, axis=1)[:, :4]
+    assert [set(r) for r in got.tolist()] == [set(r) for r in want.tolist()]
+
+
+@pytest.mark.parametrize(("arch", "ftype"), [("qwen3moe", "Q4_K_M"), ("gpt-oss", "MXFP4_MOE"),
+                                             ("glm4moe", "Q4_K_M")])
+def test_a_window_tells_each_layers_choice_and_computes_the_same(model_dir: Path, arch: str, ftype: str) -> None:
+    """The choice llama.cpp made, read from its graph, and the router input beside it: applying the layer's own
+    router (read from the file) to that input gives the same choice; the outputs are bit for bit those of a window
+    that reports nothing."""
+    from primaplug.engine import ContextSettings, Model, read_layout
+    from primaplug.memory.experts import load_routers
+    from tests.conftest import synthetic_path
+
+    path = synthetic_path(model_dir, arch, 7, ftype)
+    layout = read_layout(path)
+    routers = load_routers(range(layout.n_layer), layout.read_tensor)
+    settings = ContextSettings(n_ctx=128, n_batch=32, n_ubatch=16, n_threads=2)
+    tokens = list(range(5, 45))  # three micro-batches of 16
+    seen: list[tuple[int, np.ndarray, np.ndarray | None]] = []
+    with Model(path, [(0, 7)]) as m:
+        want = m.window(0, 7, settings=settings).forward(tokens, 0, logits="all")
+        told = m.window(0, 7, settings=settings, on_route=lambda il, chosen, x: seen.append((il, chosen, x)))
+        got = told.forward(tokens, 0, logits="all")
+    np.testing.assert_array_equal(got, want)
+    moe_layers = [il for il in range(layout.n_layer) if layout.expert_slices(il)]
+    assert sorted({il for il, _, _ in seen}) == moe_layers  # glm4moe's dense first layer has no router
+    rows = 0
+    for il, chosen, x in seen:
+        assert chosen.shape[1] == layout.n_expert_used and x is not None and x.shape == (len(chosen), layout.n_embd)
+        assert ((chosen >= 0) & (chosen < layout.n_expert)).all()
+        again = routers[il].choose(x, layout.n_expert_used)
+        assert [set(r) for r in again.tolist()] == [set(r) for r in chosen.tolist()]
+        rows += len(chosen)
+    assert rows >= 40 * (len(moe_layers) - 1)  # every token in every layer (the last: the output rows only)
