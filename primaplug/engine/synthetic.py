@@ -51,6 +51,9 @@ class SyntheticSpec:
     n_dense_lead: int = 1
     n_nextn: int = 1
     sliding_window: int = 32  # _SLIDING archs: short, so that the tests' prompts outgrow it
+    # > 0: expert e's router row scaled by (e + 1) ** -router_skew (then to a mean of 1): its logits spread more,
+    # so it is chosen more often, the low-numbered experts most. Random weights otherwise route uniformly.
+    router_skew: float = 0.0
 
 
 def _vocab(n_vocab: int, specials: tuple[str, ...] = ()) -> tuple[list[str], list[float], list[int]]:
@@ -149,7 +152,10 @@ def _moe_ffn(spec: SyntheticSpec, p: str, mat: Callable[..., Maker], experts: Ca
              bias: Callable[..., Maker]) -> Iterator[tuple[str, tuple[int, ...], Maker]]:
     """A mixture-of-experts FFN: the router, then the experts as 3-D tensors (expert, row, column)."""
     e, x, f = spec.n_embd, spec.n_expert, spec.n_ff_exp
-    yield p + "ffn_gate_inp.weight", (x, e), mat(x, e, 4.0)  # the router: spread, so routes are far from ties
+    gain = (np.arange(1, x + 1, dtype=np.float32) ** -spec.router_skew)[:, None]
+    gain /= gain.mean()
+    router = mat(x, e, 4.0)  # spread, so that routes are far from ties
+    yield p + "ffn_gate_inp.weight", (x, e), lambda: router() * gain
     if spec.arch == "gpt-oss":
         yield p + "ffn_gate_inp.bias", (x,), bias(x)
     if spec.arch == "glm4moe":  # the routing bias of DeepSeek-V3's auxiliary-loss-free balancing
@@ -255,7 +261,8 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
 
 
 def spec_for_size(size_bytes: int, n_layer: int, *, ftype: str = "Q4_K_M", n_vocab: int = 4096, seed: int = 0,
-                  arch: str = "llama", n_expert: int = 64, n_expert_used: int = 8) -> SyntheticSpec:
+                  arch: str = "llama", n_expert: int = 64, n_expert_used: int = 8,
+                  router_skew: float = 0.0) -> SyntheticSpec:
     """A shape of `arch` whose `ftype` file is about `size_bytes`: Llama-3-like proportions (head dim 128, a quarter
     as many KV heads, FFN 3.5x the embedding), the embedding a multiple of 256 for k-quants. A mixture of experts
     (MOE_ARCHS) gets n_expert experts of half the embedding's width each, n_expert_used a token (Qwen3-30B-A3B:
@@ -273,18 +280,20 @@ def spec_for_size(size_bytes: int, n_layer: int, *, ftype: str = "Q4_K_M", n_voc
     n_head = e // 128 if e >= 512 else 4
     n_head_kv = max(d for d in range(1, n_head + 1) if n_head % d == 0 and d <= max(1, n_head // 4))
     n_ff = int(round(3.5 * e / 256)) * 256
-    extra = dict(n_expert=n_expert, n_expert_used=n_expert_used, n_ff_exp=max(256, e // 2 // 256 * 256)) if moe else {}
+    extra = dict(n_expert=n_expert, n_expert_used=n_expert_used, n_ff_exp=max(256, e // 2 // 256 * 256),
+                 router_skew=router_skew) if moe else {}
     return SyntheticSpec(arch=arch, n_layer=n_layer, n_embd=e, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
                          n_vocab=n_vocab, seed=seed, **extra)
 
 
 def write_sized_model(path: str | os.PathLike[str], size_bytes: int, n_layer: int, *, ftype: str = "Q4_K_M",
                       seed: int = 0, progress: Callable[[str, int, int], None] | None = None,
-                      arch: str = "llama", n_expert: int = 64, n_expert_used: int = 8) -> Path:
+                      arch: str = "llama", n_expert: int = 64, n_expert_used: int = 8,
+                      router_skew: float = 0.0) -> Path:
     """A GGUF of `arch` of about `size_bytes` with `n_layer` layers (spec_for_size), quantized by llama.cpp to
     `ftype`. The F16 original is written beside `path` (about 16/bits as large) and deleted afterwards."""
     spec = spec_for_size(size_bytes, n_layer, ftype=ftype, seed=seed, arch=arch, n_expert=n_expert,
-                         n_expert_used=n_expert_used)
+                         n_expert_used=n_expert_used, router_skew=router_skew)
     out = Path(path)
     tmp = out.with_name(out.name + ".f16.tmp")
     try:

@@ -80,8 +80,7 @@ class ExpertCache:
         self._advisor = advisor or Advisor(path)
         self._own_advisor = advisor is None
         self._fd = os.open(path, os.O_RDONLY)
-        # reentrant: a read that is done before its callback is added runs the callback in the adding thread
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._resident: set[tuple[int, int]] = set()  # (layer, expert) in memory
         self._reading: dict[tuple[int, int], Future[int]] = {}
         self._predicted: set[tuple[int, int]] = set()
@@ -151,21 +150,26 @@ class ExpertCache:
 
     def _start(self, key: tuple[int, int]) -> Future[int]:  # with the lock held
         self._bytes += self.expert_bytes[key[0]]
-        future = self._pool.submit(self._read, self._ranges(key))
+        future = self._pool.submit(self._fetch, key)
         self._reading[key] = future
-        future.add_done_callback(lambda f, k=key: self._read_done(k, f))
         return future
 
-    def _read_done(self, key: tuple[int, int], future: Future[int]) -> None:
-        with self._lock:
-            self._reading.pop(key, None)
-            if future.exception() is None:
-                self.stats.bytes_read += future.result()
-                self._resident.add(key)
-            else:
+    def _fetch(self, key: tuple[int, int]) -> int:
+        """Read an expert, and account for it before its future completes (whoever waits sees it resident)."""
+        try:
+            n = self._read(self._ranges(key))
+        except OSError as e:
+            with self._lock:
+                self._reading.pop(key, None)
                 self._bytes -= self.expert_bytes[key[0]]
                 self._predicted.discard(key)
-                log.warning("reading expert %d of layer %d failed: %s", key[1], key[0], future.exception())
+            log.warning("reading expert %d of layer %d failed: %s", key[1], key[0], e)
+            raise
+        with self._lock:
+            self._reading.pop(key, None)
+            self.stats.bytes_read += n
+            self._resident.add(key)
+        return n
 
     def _read(self, ranges: list[tuple[int, int]]) -> int:
         buf = getattr(self._local, "buf", None)
