@@ -8,7 +8,9 @@ layers, and against plain llama-cpp-python (needs root: cgroups and dropping the
 Two emulated devices, each a real `primaplug node` in its own cgroup (memory cap, disk read cap) with its own copy
 of a synthetic qwen3moe (64 experts, 8 a token, about twice the two caps together), half the layers each; the head
 (this process, uncapped) runs only the output layer. In one run, greedy decoding from a 16-token prompt:
-- plain llama-cpp-python in one device's cgroup (the baseline);
+- plain llama-cpp-python in one device's cgroup (the baseline; without repacking, as the repacked weights would be
+  anonymous memory over its cap, so its kernels round their own way: the ring's tokens are checked against plain
+  llama-cpp-python as it runs by default, uncapped, `reference_tokens` and `mismatch` in the JSON);
 - the ring with whole layers streamed (`primaplug node --whole-experts`: every expert of every layer, prefetched
   a window ahead);
 - the ring reading only the routed experts (the default: memory/experts.py);
@@ -122,6 +124,18 @@ def run_ring(model: Path, devices: list[Device], workdir: Path, split: list[int]
             "bound_s": round(bound, 3), "tpot_over_bound": round(tpot / bound, 2) if bound else None}
 
 
+def reference_tokens(model: Path, tokens: int) -> list[int]:
+    import llama_cpp
+
+    from benchmarks.testbed.timing import time_greedy
+
+    llm = llama_cpp.Llama(str(model), n_ctx=256, n_threads=1, logits_all=True, verbose=False)
+    try:
+        return time_greedy(llm, PROMPT, tokens)["tokens"]
+    finally:
+        llm.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", type=_byte_size, default=_byte_size("640M"))
@@ -167,12 +181,16 @@ def main() -> None:
         results["ratios"] = {"whole_over_experts": round(whole / experts, 2)}
         if "plain" in runs and runs["plain"].get("tpot_s"):
             results["ratios"]["plain_over_experts"] = round(runs["plain"]["tpot_s"] / experts, 2)
-        for name in ("routed experts", "whole layers"):
-            if "plain" in runs and runs["plain"].get("tokens") and runs[name]["tokens"] != runs["plain"]["tokens"]:
-                results.setdefault("mismatch", []).append(name)
+        # the tokens: plain llama-cpp-python as it runs by default (repacking its weights; uncapped, in this
+        # process), whose kernels the nodes' repacked copies use. The capped baseline above does not repack (the
+        # repacked copy would be anonymous memory over its cap), so it rounds its own way.
+        results["reference_tokens"] = {"uniform": reference_tokens(uniform, args.tokens),
+                                       "skewed": reference_tokens(skewed, args.tokens)}
+        results["mismatch"] = [name for name, r in runs.items() if name != "plain" and r["tokens"] !=
+                               results["reference_tokens"]["skewed" if "skewed" in name else "uniform"]]
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / "moe_streaming.json").write_text(json.dumps(results, indent=1) + "\n")
-        print(json.dumps({k: results[k] for k in ("model", "ratios")}, indent=1))
+        print(json.dumps({k: results[k] for k in ("model", "ratios", "mismatch")}, indent=1))
         for name, r in runs.items():
             extra = "" if name == "plain" else f", bound {r['bound_s']} s, nodes " + "; ".join(
                 f"{n['name']} read {n['read_mib_per_token']} MiB/token of {n['needed_mib_per_token']} needed"

@@ -280,7 +280,10 @@ def spec_for_size(size_bytes: int, n_layer: int, *, ftype: str = "Q4_K_M", n_voc
     n_head = e // 128 if e >= 512 else 4
     n_head_kv = max(d for d in range(1, n_head + 1) if n_head % d == 0 and d <= max(1, n_head // 4))
     n_ff = int(round(3.5 * e / 256)) * 256
-    extra = dict(n_expert=n_expert, n_expert_used=n_expert_used, n_ff_exp=max(256, e // 2 // 256 * 256),
+    # the experts' width from what is left of the layer once e is rounded (a multiple of 256, for k-quants)
+    left = per_layer_weights - 2.5 * e * e - (1.5 * e * e if arch == "glm4moe" else 0.0)
+    n_ff_exp = max(256, int(round(left / (3 * e * n_expert) / 256)) * 256)
+    extra = dict(n_expert=n_expert, n_expert_used=n_expert_used, n_ff_exp=n_ff_exp,
                  router_skew=router_skew) if moe else {}
     return SyntheticSpec(arch=arch, n_layer=n_layer, n_embd=e, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
                          n_vocab=n_vocab, seed=seed, **extra)
