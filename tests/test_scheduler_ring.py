@@ -150,3 +150,27 @@ def test_what_cannot_be_placed_under_the_ring_model_is_a_clear_error() -> None:
     with pytest.raises(PlacementInfeasibleError, match="no placement with k = 4 keeps every device with a slow disk"):
         solve(devices, model(12), latency_model="ring", rounds=4)
     assert solve(devices, model(12), latency_model="ring", rounds=2).k == 2  # two layers fit it
+
+
+def test_a_streaming_mixture_of_experts_is_priced_by_the_experts_its_tokens_choose() -> None:
+    """A model whose layers are 90% routed experts, 1 of 8 a token: a device whose windows do not fit reads the
+    rest of its layers as a window and only the chosen experts the hot set lacks; the same layers dense read
+    everything streamed. Where all fits, nothing is read either way."""
+    gb = 1 << 30
+    devices = [device("head", ram_gb=8), device("a", ram_gb=2.5, disk=1e8)]
+    dense = platform(devices, model(12, layer_gb=0.5), slow_disk_bps=1e6)
+    moe = platform(devices, model(12, layer_gb=0.5, layer_expert_bytes=int(0.45 * gb), expert_token_share=1 / 8),
+                   slow_disk_bps=1e6)
+    w, n = [0, 12], [0, 0]
+    d, m = predict_ring(dense, 1, w, n), predict_ring(moe, 1, w, n)
+    assert d.read_bytes[1] > 0 and 0 < m.read_bytes[1] < d.read_bytes[1] / 3, (d.read_bytes, m.read_bytes)
+    # by hand: the rest (12 x 0.05 GB) fits beside the working set, so it reads only the chosen experts it lacks
+    budget = moe.ram_cap[1] - moe.ram_fixed(1)[1] - 12 * (moe.layer_kv_bytes - moe.layer_bytes) - 0.05 * moe.ram_total[1]
+    rest = 12 * (moe.layer_bytes - moe.expert_bytes)
+    hit = (budget - rest) / (12 * moe.expert_bytes)
+    assert float(m.read_bytes[1]) == pytest.approx(12 * moe.expert_bytes / 8 * (1 - hit), rel=1e-6)
+    assert float(m.fault_s[1]) == pytest.approx(float(m.read_bytes[1]) / 1e8)  # read on the token's path
+    assert float(predict_ring(moe, 1, [6, 6], n).total_s) <= float(m.total_s)
+    roomy = platform([device("head"), device("a", ram_gb=16)], model(12, layer_gb=0.5,
+                     layer_expert_bytes=int(0.45 * gb), expert_token_share=1 / 8), slow_disk_bps=1e6)
+    assert predict_ring(roomy, 1, w, n).read_bytes[1] == 0

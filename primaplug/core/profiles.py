@@ -86,6 +86,10 @@ class ModelProfile(msgspec.Struct, frozen=True, kw_only=True):
     # Gemma 3 at n_ubatch 512) and is paid once.
     compute_buffer_output_bytes: int = 0
     compute_buffer_row_bytes: int = 0  # c^cpu of a one-token micro-batch
+    # a mixture of experts: of layer_bytes, its routed experts' (memory and disk hold them all), and the share of
+    # them one token uses (n_expert_used / n_expert): what a node reading only the chosen experts reads
+    layer_expert_bytes: int = 0
+    expert_token_share: float = 0.0
 
     @property
     def hidden_bytes(self) -> int:

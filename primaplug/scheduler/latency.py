@@ -84,6 +84,8 @@ class Platform:
     layer_kv_bytes: int  # b' = b + KV of one layer for n_kv tokens
     head_extra: int  # b_i/V + b_o: bytes only the head holds
     lookup_bytes: int  # b_i/V: one row of the input embedding
+    expert_bytes: int = 0  # of layer_bytes, a mixture of experts' routed experts (ModelProfile.layer_expert_bytes)
+    expert_share: float = 0.0  # the share of them one token uses
 
     @property
     def n_devices(self) -> int:
@@ -121,7 +123,8 @@ class Platform:
         return Platform(
             names=tuple(self.names[i] for i in keep), n_layer=self.n_layer, t_out=self.t_out, m_head=self.m_head,
             layer_bytes=self.layer_bytes, layer_kv_bytes=self.layer_kv_bytes, head_extra=self.head_extra,
-            lookup_bytes=self.lookup_bytes, **arrays,
+            lookup_bytes=self.lookup_bytes, expert_bytes=self.expert_bytes, expert_share=self.expert_share,
+            **arrays,
         )
 
 
@@ -196,6 +199,7 @@ def platform(
         vram_cap=np.array(vram_cap, dtype=np.int64),
         vram_head=vram_head.astype(np.int64), vram_window=vram_window.astype(np.int64),
         layer_bytes=model.layer_bytes, layer_kv_bytes=bp, head_extra=head_extra, lookup_bytes=lookup,
+        expert_bytes=model.layer_expert_bytes, expert_share=model.expert_token_share,
     )
 
 

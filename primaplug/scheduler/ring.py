@@ -52,6 +52,25 @@ def stream_bytes(budget: np.ndarray, window: np.ndarray, k: int) -> tuple[np.nda
     return np.where(fits, 0.0, k * streamed), np.where(fits, 0.0, k * faulted)
 
 
+def _routed_experts(p: Platform, k: int, lc: np.ndarray, budget: np.ndarray, read: np.ndarray,
+                    faulted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A mixture of experts whose windows do not fit reads only its tokens' routed experts (memory/experts.py,
+    device/memory.py: _plan_experts): the rest of its layers streams as any window, within the budget less a
+    working set; the experts a token chooses are read as it computes (on the token's path) unless the hot set,
+    which holds what the rest leaves of the budget, has them. Routing is taken as uniform: the hot set holds each
+    chosen expert with the share of the experts it holds."""
+    rest = p.layer_bytes - p.expert_bytes
+    working = 2 * p.expert_share * p.expert_bytes
+    rest_read, rest_faulted = stream_bytes(budget - working, lc / k * rest, k)
+    rest_used = np.where(lc * rest <= budget - working, lc * rest, budget - working)
+    all_experts = lc * p.expert_bytes
+    with np.errstate(divide="ignore", invalid="ignore"):
+        hit = np.clip(np.maximum(working, budget - rest_used) / np.where(all_experts > 0, all_experts, 1.0), 0, 1)
+    chosen = lc * p.expert_share * p.expert_bytes * (1 - hit)
+    streams = read > 0
+    return np.where(streams, rest_read + chosen, read), np.where(streams, rest_faulted + chosen, faulted)
+
+
 @dataclass(frozen=True, eq=False)
 class RingPrediction:
     """The ring model's answer for one placement (or many: leading axes), per device on the last axis."""
@@ -92,6 +111,8 @@ def predict_ring(p: Platform, k: int, w: np.ndarray | Sequence[int], n: np.ndarr
     metal = p.kind == MACOS_METAL
     budget = p.ram_cap - p.ram_fixed(k) - lc * kv - MARGIN * p.ram_total
     read, faulted = stream_bytes(np.where(in_ring, budget, np.inf), lc / k * p.layer_bytes, k)
+    if p.expert_bytes and p.expert_share:
+        read, faulted = _routed_experts(p, k, lc, np.where(in_ring, budget, np.inf), read, faulted)
     # Metal: the paper's Eq. 16, whole share re-read on the token's path once unified memory runs out
     share = k * w * p.layer_kv_bytes + p.ram_fixed(k)
     metal_read = np.where(in_ring & (share > p.ram_cap), k * w * p.layer_bytes + p.head * p.head_extra, 0.0)
