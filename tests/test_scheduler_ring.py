@@ -165,7 +165,8 @@ def test_a_streaming_mixture_of_experts_is_priced_by_the_experts_its_tokens_choo
     d, m = predict_ring(dense, 1, w, n), predict_ring(moe, 1, w, n)
     assert d.read_bytes[1] > 0 and 0 < m.read_bytes[1] < d.read_bytes[1] / 3, (d.read_bytes, m.read_bytes)
     # by hand: the rest (12 x 0.05 GB) fits beside the working set, so it reads only the chosen experts it lacks
-    budget = moe.ram_cap[1] - moe.ram_fixed(1)[1] - 12 * (moe.layer_kv_bytes - moe.layer_bytes) - 0.05 * moe.ram_total[1]
+    kv = 12 * (moe.layer_kv_bytes - moe.layer_bytes)
+    budget = moe.ram_cap[1] - moe.ram_fixed(1)[1] - kv - 0.05 * moe.ram_total[1]
     rest = 12 * (moe.layer_bytes - moe.expert_bytes)
     hit = (budget - rest) / (12 * moe.expert_bytes)
     assert float(m.read_bytes[1]) == pytest.approx(12 * moe.expert_bytes / 8 * (1 - hit), rel=1e-6)
