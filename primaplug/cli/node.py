@@ -29,7 +29,7 @@ def add_parser(sub: Any) -> None:
     node.add_argument("-m", "--model", action="append", required=True,
                       help="GGUF file this node may load (repeat for several); no other file is ever opened")
     node.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_PORT}",
-                      help=f"HOST:PORT of the control channel; the ring uses PORT+1; port 0: any free ports "
+                      help=f"HOST:PORT of the control channel; the ring uses PORT+1; port 0: any free ports (a pair) "
                            f"(default 127.0.0.1:{DEFAULT_PORT})")
     node.add_argument("--name", help="name shown to the head (default: the host name)")
     node.add_argument("--keys", help="cluster key file (primaplug keygen); required off loopback")
