@@ -39,7 +39,7 @@ from benchmarks import need_charts  # noqa: E402
 from benchmarks.testbed.cluster import Testbed, testbed_script  # noqa: E402
 from benchmarks.testbed.devices import Device  # noqa: E402
 from benchmarks.testbed.plain import run_capped  # noqa: E402
-from benchmarks.testbed.timing import prompt_tokens  # noqa: E402
+from benchmarks.testbed.timing import time_greedy  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 CACHE = Path.home() / ".cache" / "primaplug" / "bench"
@@ -75,8 +75,6 @@ def needed_per_token(layout: Any, layers: range, chosen_bytes: float) -> float:
 
 def run_ring(model: Path, devices: list[Device], workdir: Path, split: list[int], tokens: int,
              node_args: list[str]) -> dict[str, Any]:
-    import numpy as np
-
     import primaplug
     from primaplug.engine import read_layout
 
@@ -84,15 +82,10 @@ def run_ring(model: Path, devices: list[Device], workdir: Path, split: list[int]
     with Testbed(devices, model, workdir, node_args=node_args, links=False) as tb:
         llm = primaplug.Llama(model, nodes=tb.addresses, layers=[*split, 0], n_ctx=256, logits_all=True,
                               node_threads=1, verbose=False)
+        before: list[Any] = []
         try:
-            llm.eval(prompt_tokens(PROMPT))
-            before = [n.status(detail=True) for n in llm.cluster.nodes]
-            out, times = [], []
-            for _ in range(tokens):
-                out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-                t0 = time.perf_counter()
-                llm.eval([out[-1]])
-                times.append(time.perf_counter() - t0)
+            timed = time_greedy(llm, PROMPT, tokens,
+                                after_prompt=lambda: before.extend(n.status(detail=True) for n in llm.cluster.nodes))
             after = [n.status(detail=True) for n in llm.cluster.nodes]
         finally:
             llm.close()
@@ -118,16 +111,13 @@ def run_ring(model: Path, devices: list[Device], workdir: Path, split: list[int]
                    read_over_needed=round(read / need, 3) if need else None,
                    bound_s=round(need / (d.disk_mbps * 1e6), 3))
         nodes.append(row)
-    tpot = sorted(times)[len(times) // 2]
     bound = sum(r["bound_s"] for r in nodes)
-    return {"tpot_s": round(tpot, 3), "token_s": [round(t, 3) for t in times], "tokens": out, "nodes": nodes,
-            "bound_s": round(bound, 3), "tpot_over_bound": round(tpot / bound, 2) if bound else None}
+    return {**timed, "nodes": nodes, "bound_s": round(bound, 3),
+            "tpot_over_bound": round(timed["tpot_s"] / bound, 2) if bound else None}
 
 
 def reference_tokens(model: Path, tokens: int) -> list[int]:
     import llama_cpp
-
-    from benchmarks.testbed.timing import time_greedy
 
     llm = llama_cpp.Llama(str(model), n_ctx=256, n_threads=1, logits_all=True, verbose=False)
     try:

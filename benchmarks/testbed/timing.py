@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,12 +15,15 @@ def prompt_tokens(n: int) -> list[int]:
     return [3 + (7 * i) % 250 for i in range(n)]
 
 
-def time_greedy(llm: Any, prompt: int, tokens: int) -> dict[str, Any]:
+def time_greedy(llm: Any, prompt: int, tokens: int, after_prompt: Callable[[], None] | None = None) -> dict[str, Any]:
     """TTFT (the prompt's evaluation), TPOT (median over the decoded tokens) and the tokens, for a
-    llama_cpp.Llama (or primaplug.Llama) made with logits_all=True: llama-cpp-python 0.3 fills `scores` only then."""
+    llama_cpp.Llama (or primaplug.Llama) made with logits_all=True: llama-cpp-python 0.3 fills `scores` only then.
+    `after_prompt` runs between the prompt and the first decoded token (to read counters before decoding)."""
     t0 = time.perf_counter()
     llm.eval(prompt_tokens(prompt))
     ttft = time.perf_counter() - t0
+    if after_prompt is not None:
+        after_prompt()
     out, times = [], []
     for _ in range(tokens):
         out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
