@@ -47,3 +47,17 @@ def test_a_restart_on_the_control_port_gets_the_same_pair_over_zeromq() -> None:
     control, ring = _listen(again, HOST, pair[0])
     assert (_port(control.address), _port(ring.address)) == pair
     again.close()
+
+
+def test_port_0_with_no_free_pair_says_so_and_binds_nothing() -> None:
+    from primaplug.node.daemon import PAIR_TRIES
+
+    network = InprocNetwork()
+    t = InprocTransport(network)
+    for k in range(2 * PAIR_TRIES):  # every port that port 0 would give next has its neighbour taken
+        t.ring_in(HOST, 49153 + 2 * k)
+    held = set(network.bound)
+    with pytest.raises(ConfigError, match=f"no two free consecutive ports on {HOST} in {PAIR_TRIES} tries"):
+        _listen(t, HOST, 0)
+    assert set(network.bound) == held  # every control port it tried was let go
+    t.close()

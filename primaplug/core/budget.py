@@ -2,4 +2,7 @@
 predicts the plan (scheduler/ring.py)."""
 
 MARGIN = 0.05  # of total memory, left out of a node's budget for the OS and the apps people use
+# a streaming mixture of experts keeps room for this many layers' worth of one token's chosen experts beside its
+# hot set: the layer computing, and the next one's predicted choice (memory/experts.py)
+EXPERT_WORKING_LAYERS = 2
 MAX_KEEP = 0.95  # the largest fraction of every streamed layer a node keeps resident (memory/policy.py)

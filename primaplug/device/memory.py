@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from primaplug.core.budget import MARGIN
+from primaplug.core.budget import EXPERT_WORKING_LAYERS, MARGIN
 from primaplug.core.errors import WindowRangeError
 from primaplug.core.windows import LayerRange
 from primaplug.engine import ModelLayout
@@ -111,7 +111,7 @@ def _plan_experts(layout: ModelLayout, windows: list[LayerRange], budget: int, *
     what that plan leaves of the budget holds the experts' hot set."""
     layers = [il for r in windows for il in range(r.start, r.end)]
     slices = {il: s for il in layers if (s := layout.expert_slices(il))}
-    working = 2 * layout.n_expert_used * max((layout.expert_bytes(il) for il in slices), default=0)
+    working = EXPERT_WORKING_LAYERS * layout.n_expert_used * max(map(layout.expert_bytes, slices), default=0)
     rest = plan_prefetch([layout.window_ranges(r, experts=False) for r in windows], max(0, budget - working),
                          keep=keep)
     used = sum(n for _, n in rest.keep) if rest.mode == "resident" else rest.budget_bytes

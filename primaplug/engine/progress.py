@@ -61,12 +61,9 @@ def read_2d(tensor: int, dtype: type) -> np.ndarray | None:
     cols, rows = int(t.ne[0]), int(t.ne[1])
     if rows == 0:  # a last layer computes only the rows that give outputs: in some micro-batches, none
         return np.zeros((0, cols), dtype=dtype)
-    item = np.dtype(dtype).itemsize
-    span = (rows - 1) * t.nb[1] + cols * item
-    raw = np.frombuffer((ctypes.c_char * span).from_address(t.data), dtype=np.uint8)
-    view = np.lib.stride_tricks.as_strided(raw.view(dtype) if t.nb[1] % item == 0 and t.nb[0] == item else raw,
-                                           shape=(rows, cols), strides=(t.nb[1], t.nb[0]))
-    return np.array(view, dtype=dtype)
+    span = (rows - 1) * t.nb[1] + (cols - 1) * t.nb[0] + np.dtype(dtype).itemsize
+    buf = (ctypes.c_char * span).from_address(t.data)
+    return np.ndarray((rows, cols), dtype=dtype, buffer=buf, strides=(t.nb[1], t.nb[0])).copy()
 
 
 def router_input(tensor: int) -> np.ndarray | None:

@@ -55,6 +55,11 @@ class SyntheticSpec:
     # so it is chosen more often, the low-numbered experts most. Random weights otherwise route uniformly.
     router_skew: float = 0.0
 
+    @property
+    def n_blocks(self) -> int:
+        """Blocks in the file: the layers, and glm4moe's NextN layers after them."""
+        return self.n_layer + (self.n_nextn if self.arch == "glm4moe" else 0)
+
 
 def _vocab(n_vocab: int, specials: tuple[str, ...] = ()) -> tuple[list[str], list[float], list[int]]:
     """An SPM vocabulary: <unk> <s> </s>, the 256 byte tokens, then made-up pieces; `specials` (control tokens that
@@ -97,8 +102,7 @@ def _tensors(spec: SyntheticSpec,
     # scaled up so that logits spread widely and greedy choices are far from ties
     yield "token_embd.weight", (spec.n_vocab, e), lambda: rng.standard_normal((spec.n_vocab, e)).astype(np.float32)
     a = spec.arch
-    n_layer = spec.n_layer + (spec.n_nextn if a == "glm4moe" else 0)
-    for il in range(n_layer):
+    for il in range(spec.n_blocks):
         p = f"blk.{il}."
         if a != "olmo2":  # olmo2 normalises after attention and FFN only
             yield p + "attn_norm.weight", (e,), norm(e)
@@ -190,7 +194,7 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
 
     w = GGUFWriter(os.fspath(path), spec.arch)
     w.add_name(f"synthetic-{spec.arch}-{spec.n_layer}L")
-    w.add_block_count(spec.n_layer + (spec.n_nextn if spec.arch == "glm4moe" else 0))
+    w.add_block_count(spec.n_blocks)
     w.add_context_length(spec.n_ctx_train)
     w.add_embedding_length(e)
     w.add_feed_forward_length(spec.n_ff)

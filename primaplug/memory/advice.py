@@ -144,6 +144,18 @@ def _pread_into(fd: int, view: memoryview, pos: int) -> int:
     return len(data)
 
 
+def read_range(fd: int, buf: memoryview, start: int, length: int) -> int:
+    """Read [start, start + length) of a file through `buf`, as large reads as it holds (into the page cache, the
+    data itself unused); returns the bytes read (fewer at the end of the file)."""
+    pos, end = start, start + length
+    while pos < end:
+        got = _pread_into(fd, buf[: min(len(buf), end - pos)], pos)
+        if got <= 0:
+            break
+        pos += got
+    return pos - start
+
+
 class Advisor:
     """Prefetch and release ranges of one model file for the process that maps it.
 
@@ -226,13 +238,7 @@ class Advisor:
         return True
 
     def _read(self, start: int, length: int) -> None:
-        view = memoryview(self._buf)
-        pos, end = start, start + length
-        while pos < end:
-            got = _pread_into(self.fd, view[: min(READ_CHUNK, end - pos)], pos)
-            if got <= 0:
-                break
-            pos += got
+        read_range(self.fd, memoryview(self._buf), start, length)
 
     def release(self, ranges: Iterable[tuple[int, int]]) -> int:
         """Unmap and drop the ranges' pages, as far as this platform can; returns the bytes released."""

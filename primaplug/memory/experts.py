@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from primaplug.memory.advice import Advisor
+from primaplug.memory.advice import Advisor, read_range
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,7 @@ class ExpertCache:
             self.predict(nxt, np.unique(self.routers[nxt].choose(x, self.n_used)))
 
     def need(self, layer: int, experts: Sequence[int] | np.ndarray) -> None:
+        """The layer chose these experts: read those not in memory (or wait for their reads), then trim."""
         waits = []
         with self._lock:
             n = self.expert_bytes[layer]
@@ -172,19 +173,10 @@ class ExpertCache:
         return n
 
     def _read(self, ranges: list[tuple[int, int]]) -> int:
-        buf = getattr(self._local, "buf", None)
+        buf = getattr(self._local, "buf", None)  # one buffer per reader thread
         if buf is None:
             buf = self._local.buf = memoryview(bytearray(READ_CHUNK))
-        done = 0
-        for off, n in ranges:
-            pos, end = off, off + n
-            while pos < end:
-                got = os.preadv(self._fd, [buf[: min(READ_CHUNK, end - pos)]], pos)
-                if got <= 0:
-                    break
-                pos += got
-            done += pos - off
-        return done
+        return sum(read_range(self._fd, buf, off, n) for off, n in ranges)
 
     def _trim(self, protect: set[tuple[int, int]]) -> None:
         """Release the coldest resident experts until the budget holds (never those just chosen)."""

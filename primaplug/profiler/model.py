@@ -190,7 +190,6 @@ def profile_model(layout: ModelLayout, *, n_ctx: int, n_batch: int, n_ubatch: in
         compute_buffer_gpu_bytes=layers_buffer,
         compute_buffer_output_bytes=compute_buffer_output_bytes(layout, n_ctx, n_batch, n_ubatch),
         compute_buffer_row_bytes=compute_buffer_layers_bytes(layout, n_ctx, 1, 1),
-        layer_expert_bytes=round(sum(t.nbytes for il in range(n_layer) for t in layout.layer_tensors(il)
-                                     if layout.is_routed_expert(t)) / n_layer),
+        layer_expert_bytes=round(sum(layout.n_expert * layout.expert_bytes(il) for il in range(n_layer)) / n_layer),
         expert_token_share=layout.n_expert_used / layout.n_expert if layout.n_expert else 0.0,
     )

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from primaplug.core.budget import MARGIN, MAX_KEEP
+from primaplug.core.budget import EXPERT_WORKING_LAYERS, MARGIN, MAX_KEEP
 from primaplug.scheduler.halda import Solution, gpu_layer_cap
 from primaplug.scheduler.latency import MACOS_METAL, Platform
 
@@ -60,7 +60,7 @@ def _routed_experts(p: Platform, k: int, lc: np.ndarray, budget: np.ndarray, rea
     which holds what the rest leaves of the budget, has them. Routing is taken as uniform: the hot set holds each
     chosen expert with the share of the experts it holds."""
     rest = p.layer_bytes - p.expert_bytes
-    working = 2 * p.expert_share * p.expert_bytes
+    working = EXPERT_WORKING_LAYERS * p.expert_share * p.expert_bytes
     rest_read, rest_faulted = stream_bytes(budget - working, lc / k * rest, k)
     rest_used = np.where(lc * rest <= budget - working, lc * rest, budget - working)
     all_experts = lc * p.expert_bytes
