@@ -131,3 +131,25 @@ def test_a_window_tells_each_layers_choice_and_computes_the_same(model_dir: Path
         assert [set(r) for r in again.tolist()] == [set(r) for r in chosen.tolist()]
         rows += len(chosen)
     assert rows >= 40 * (len(moe_layers) - 1)  # every token in every layer (the last: the output rows only)
+
+
+def test_an_engine_whose_tensor_layout_is_not_known_streams_whole_layers(model_dir: Path, monkeypatch,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Were ggml's tensor struct to change, the routers' choices could not be read: the device says so and
+    streams the mixture of experts' layers whole, rather than reading nothing and faulting its experts in."""
+    from primaplug.core import LayerRange
+    from primaplug.device import DeviceWindows, MemorySettings
+    from primaplug.engine import ContextSettings, read_layout
+    from primaplug.engine import progress as engine_progress
+    from tests.conftest import synthetic_path
+
+    path = synthetic_path(model_dir, "qwen3moe", 7, "Q4_K_M")
+    monkeypatch.setattr(engine_progress, "ROUTES_READABLE", False)
+    settings = ContextSettings(n_ctx=64, n_batch=32, n_ubatch=16, n_threads=1)
+    device = DeviceWindows.load(path, read_layout(path), [LayerRange(0, 4)], context=settings,
+                                memory=MemorySettings(budget_bytes=1 << 20))
+    try:
+        assert device.experts is None and device.plan.experts is None and device.plan.prefetch.mode == "stream"
+        assert "reads whole layers" in caplog.text
+    finally:
+        device.close()

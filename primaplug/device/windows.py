@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -104,9 +105,15 @@ class DeviceWindows:
         """Plan memory for the windows of `ranges` (one per round; empty ones relay), map the model and open them.
         `output`: this device also runs the output layer (the head)."""
         from primaplug.engine import Model
+        from primaplug.engine.progress import ROUTES_READABLE
         from primaplug.engine.repacked import CHUNK_BYTES
 
         ranges, memory = list(ranges), memory or MemorySettings()
+        if layout.n_expert and memory.switches.experts and not ROUTES_READABLE:
+            log.warning("this engine's ggml_tensor is not the layout primaplug reads the routers' choices from: a "
+                        "mixture of experts that streams reads whole layers (rebuild the engine: `primaplug engine "
+                        "build`)")
+            memory = dataclasses.replace(memory, switches=dataclasses.replace(memory.switches, experts=False))
         used = [r for r in ranges if r.n_layers]
         on_cpu = cpu_parts(ranges, gpu_layers)  # GPU layers' weights and KV cache are in VRAM: not planned for
         # what llama.cpp copies out of the mapping at load, as plain llama.cpp does (a tied lm_head, repacked)
