@@ -17,11 +17,14 @@ SYNTHETIC = [
     ("qwen3", 9, "Q4_K_M"),
     ("qwen3", 7, "Q8_0"),
     ("qwen3moe", 7, "Q4_K_M"),  # mixture of experts: 8 experts, 2 a token
+    ("qwen35", 7, "Q8_0"),  # gated delta-net (recurrent) layers with full attention every third, M-RoPE
+    ("qwen35moe", 7, "Q4_K_M"),  # the same with routed experts beside a gated shared one
     ("gpt-oss", 7, "MXFP4_MOE"),  # MXFP4 experts with biases, attention sinks, sliding window on alternate layers
     ("glm4moe", 7, "Q4_K_M"),  # a dense first layer, a shared expert, sigmoid routing, a NextN layer after the trunk
     ("mistral3", 7, "Q8_0"),
     ("granite", 7, "Q8_0"),
     ("gemma2", 7, "Q8_0"),  # soft-capped attention and logits, sliding window on alternate layers, tied lm_head
+    ("gemma4", 7, "Q4_K_M"),  # global layers with wider heads and keys as values; a dense MLP beside routed experts
     ("olmo2", 7, "Q8_0"),  # norms after attention and FFN only
     ("phi3", 7, "Q8_0"),  # fused QKV and gate-up projections
 ]
@@ -50,7 +53,7 @@ COMPUTE_BOUND = {
 # Architectures whose every split runs in the slow rung: `make test` runs each one's split with the output layer on the
 # head (test_windows_match_llama: a window from layer 0, one past it and the output-only window, which is all the
 # window code a graph has), its streamed windows (test_exact_windows) and one device's windows on one context.
-SPLITS_IN_SLOW_RUNG = {"gpt-oss", "glm4moe", "gemma2", "olmo2", "phi3"}
+SPLITS_IN_SLOW_RUNG = {"gpt-oss", "glm4moe", "gemma2", "olmo2", "phi3", "qwen35moe", "gemma4"}
 FAST_SPLIT = "output-on-head"
 
 

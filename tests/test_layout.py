@@ -36,3 +36,47 @@ def test_gemma_layout(gemma_path) -> None:
     assert layout.output_tied and layout.sliding_window == 512
     assert layout.swa_layers[:6] == (True,) * 5 + (False,)
     assert layout.identity.startswith(f"{layout.file_size}:")
+
+
+def test_hybrid_and_gemma4_layouts(model_dir) -> None:
+    """Qwen 3.5's recurrent layers hold one state a sequence, no keys or values, and take M-RoPE's four positions a
+    row; Gemma 4's sliding layers have narrower heads than its global ones, whose keys are also their values."""
+    from primaplug.engine.synthetic import _DELTA_CONV, _DELTA_HEAD, _DELTA_K_HEADS, _DELTA_V_HEADS
+
+    q = read_layout(synthetic_path(model_dir, "qwen35", 7, "Q8_0"))
+    assert q.recurrent_layers == (True, True, False, True, True, False, True) and q.has_recurrent_layers
+    assert q.positions_per_row == 4 and q.kv_bytes_per_token(0) == 0 and q.kv_bytes_per_token(2) > 0
+    value = _DELTA_V_HEADS * _DELTA_HEAD
+    state = 4 * ((_DELTA_CONV - 1) * (value + 2 * _DELTA_K_HEADS * _DELTA_HEAD) + _DELTA_HEAD * value)
+    assert q.recurrent_state_bytes == state and q.cache_bytes(0, 100, n_seq=2) == 2 * state
+    assert q.cache_bytes(2, 100) == 100 * q.kv_bytes_per_token(2)
+    g = read_layout(synthetic_path(model_dir, "gemma4", 7, "Q4_K_M"))
+    assert g.swa_layers == (True, True, False, True, True, False, True) and not g.has_recurrent_layers
+    assert g.head_dims(0) == (64, 64) and g.head_dims(2) == (128, 128)
+    assert g.kv_bytes_per_token(0) == 2 * 128 * 2 and g.kv_bytes_per_token(2) == 1 * 256 * 2
+    assert g.supports_windows and g.positions_per_row == 1
+
+
+def test_gemma4_with_per_layer_embeddings_is_refused_saying_why(tmp_path) -> None:
+    """Gemma 4 E2B/E4B compute every layer's token embeddings at layer 0: refused before anything loads, naming the
+    models that do run."""
+    import numpy as np
+    import pytest
+    from gguf import GGUFWriter
+
+    from primaplug.core import UnsupportedArchitectureError
+
+    path = tmp_path / "gemma4-e2b-like.gguf"
+    w = GGUFWriter(str(path), "gemma4")
+    for key, value in (("block_count", 2), ("embedding_length", 8), ("attention.head_count", 1),
+                       ("embedding_length_per_layer_input", 4)):
+        w.add_uint32(f"gemma4.{key}", value)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    layout = read_layout(path)
+    assert not layout.supports_windows
+    with pytest.raises(UnsupportedArchitectureError, match="per-layer token embeddings.*26B-A4B or 31B"):
+        layout.check_supported()

@@ -28,7 +28,8 @@ PROMPTS = [
 MAX_TOKENS = 10
 
 
-MOE = {"qwen3moe": "Q4_K_M", "gpt-oss": "MXFP4_MOE"}  # the second with a sliding window on alternate layers
+# the second with a sliding window on alternate layers, the third with recurrent layers
+MOE = {"qwen3moe": "Q4_K_M", "gpt-oss": "MXFP4_MOE", "qwen35moe": "Q4_K_M"}
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ TEXT = ("The quick brown fox jumps over the lazy dog while seven wizards hex a p
 
 # synthetic models beside Gemma: dense, and mixtures of experts (gpt-oss with a sliding window of 32 that the
 # continued prompts outgrow, so rewinds meet its window)
-SYNTHETIC = ("qwen3", "qwen3moe", "gpt-oss", "glm4moe")
+SYNTHETIC = ("qwen3", "qwen3moe", "gpt-oss", "glm4moe", "qwen35", "gemma4")
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,10 @@ def models(model_dir: Path, gemma_path: Path) -> dict[str, Path]:
     return {"gemma": gemma_path, "qwen3": synthetic_path(model_dir, "qwen3", 9, "Q4_K_M"),
             "qwen3moe": synthetic_path(model_dir, "qwen3moe", 7, "Q4_K_M"),
             "gpt-oss": synthetic_path(model_dir, "gpt-oss", 7, "MXFP4_MOE"),
-            "glm4moe": synthetic_path(model_dir, "glm4moe", 7, "Q4_K_M")}
+            "glm4moe": synthetic_path(model_dir, "glm4moe", 7, "Q4_K_M"),
+            # recurrent layers: a prompt that diverges is evaluated anew, as plain llama-cpp-python does
+            "qwen35": synthetic_path(model_dir, "qwen35", 7, "Q8_0"),
+            "gemma4": synthetic_path(model_dir, "gemma4", 7, "Q4_K_M")}
 
 
 @pytest.fixture(scope="module")

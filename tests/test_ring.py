@@ -29,7 +29,10 @@ def models(model_dir: Path, gemma_path: Path) -> dict[str, Path]:
             "glm4moe_7": synthetic_path(model_dir, "glm4moe", 7, "Q4_K_M"),
             "gemma2_7": synthetic_path(model_dir, "gemma2", 7, "Q8_0"),
             "olmo2_7": synthetic_path(model_dir, "olmo2", 7, "Q8_0"),
-            "phi3_7": synthetic_path(model_dir, "phi3", 7, "Q8_0")}
+            "phi3_7": synthetic_path(model_dir, "phi3", 7, "Q8_0"),
+            "qwen35_7": synthetic_path(model_dir, "qwen35", 7, "Q8_0"),
+            "qwen35moe_7": synthetic_path(model_dir, "qwen35moe", 7, "Q4_K_M"),
+            "gemma4_7": synthetic_path(model_dir, "gemma4", 7, "Q4_K_M")}
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +76,9 @@ CASES = [  # model, layers per round (node, node, node[, head]) or None for an e
     ("gemma2_7", (2, 2, 3), 1),
     ("olmo2_7", (3, 3, 1), 1),
     ("phi3_7", (2, 3, 2), 1),
+    ("qwen35_7", (3, 1, 2, 1), 1),  # recurrent layers, one on the head
+    ("qwen35moe_7", (2, 3, 1, 1), 1),
+    ("gemma4_7", (2, 2, 2, 1), 1),  # the head holding a global layer
 ]
 
 

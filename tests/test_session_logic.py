@@ -184,3 +184,26 @@ def test_after_a_failure_a_call_that_goes_another_way_rebuilds_only_what_it_keep
     session.eval([7, 7], 2)  # a new request sharing 2 positions: the batch that held them is replayed, not all 10
     assert ring.held == [0, 1, 7, 7]
     assert ring.calls == [("remove", 0), ("forward", 0, 4), ("forward", 2, 2)]
+
+
+def test_a_session_on_recurrent_layers_clears_or_goes_on_and_replays_batches_as_they_went() -> None:
+    """Recurrent layers cannot forget part of a conversation: a rewind into it is refused saying what to do (the
+    ring's llama-cpp-python front then evaluates anew), and a replay sends every batch as it went, since a recurrent
+    layer computes rows in a batch differently from the same rows one by one."""
+    from primaplug.core.errors import RecurrentRewindError
+
+    ring = FakeRing()
+    session = Session(ring, n_batch=64, rewindable=False)  # type: ignore[arg-type]
+    session.eval(list(range(20)), 0)
+    for i in range(20, 24):
+        session.eval([i], i)
+    session.rewind(24)  # nothing to forget
+    with pytest.raises(RecurrentRewindError, match="without a draft model"):
+        session.rewind(10)
+    assert session.n_past == 24 and ring.held == list(range(24))
+    new = FakeRing(epoch=8)
+    session.replay(new)  # type: ignore[arg-type]
+    assert new.held == list(range(24))
+    assert new.calls == [("remove", 0), ("forward", 0, 20)] + [("forward", i, 1) for i in range(20, 24)]
+    session.eval([5, 6], 0)  # a rewind to the start clears, then evaluates anew
+    assert new.held == [5, 6]

@@ -203,6 +203,16 @@ def test_a_draft_of_another_vocabulary_is_refused(gemma_path: Path, model_dir: P
         primaplug.Llama(gemma_path, draft_model=str(model_dir / "missing.gguf"), **KWARGS)
 
 
+def test_a_draft_for_a_model_with_recurrent_layers_is_refused(model_dir: Path) -> None:
+    """Qwen 3.5's gated delta-net keeps a state that cannot forget a rejected draft's tokens: refused before
+    anything loads, saying what to turn off."""
+    import primaplug
+    from primaplug.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="recurrent layers.*without a draft model"):
+        primaplug.Llama(synthetic_path(model_dir, "qwen35", 7, "Q8_0"), draft_model="prompt-lookup", **KWARGS)
+
+
 def test_batches_of_up_to_three_rows_round_as_one_row(gemma_path: Path) -> None:
     """Why a trip of up to 3 rows gives plain decoding's tokens (patch 0009, repack.cpp): plain llama-cpp-python's
     logits for a greedy continuation evaluated in batches of 2, of 3 and of 1-3 rows equal, bit for bit, those of

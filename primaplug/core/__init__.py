@@ -11,6 +11,7 @@ from primaplug.core.errors import (
     PlacementInfeasibleError,
     PrimaplugError,
     ProtocolError,
+    RecurrentRewindError,
     UnsupportedArchitectureError,
     WindowRangeError,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "NodeUnavailableError",
     "PlacementInfeasibleError",
     "ProtocolError",
+    "RecurrentRewindError",
     "LayerRange",
     "ModelFormatError",
     "PrimaplugError",

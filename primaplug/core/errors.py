@@ -19,12 +19,24 @@ class ModelFormatError(PrimaplugError):
 class UnsupportedArchitectureError(PrimaplugError):
     """The model's architecture has no layer-window support in the patched engine."""
 
-    def __init__(self, arch: str, supported: tuple[str, ...]) -> None:
+    def __init__(self, arch: str, supported: tuple[str, ...], reason: str | None = None) -> None:
         self.arch = arch
         self.supported = supported
+        self.reason = reason
         super().__init__(
+            f"this '{arch}' model cannot run in layer windows: {reason}" if reason else
             f"architecture '{arch}' cannot run in layer windows; supported architectures: {', '.join(supported)}"
         )
+
+
+class RecurrentRewindError(PrimaplugError):
+    """A conversation on a model with recurrent layers was asked to forget some positions, not all."""
+
+    def __init__(self, pos: int, held: int) -> None:
+        super().__init__(
+            f"cannot rewind to position {pos} of {held}: this model's recurrent layers (gated delta-net) keep one "
+            "state that cannot forget positions. Clear the conversation and evaluate it again (llama-cpp-python does "
+            "so when kv_cache_seq_rm returns False), and run without a draft model (--draft)")
 
 
 class WindowRangeError(PrimaplugError):

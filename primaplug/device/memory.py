@@ -67,7 +67,7 @@ def reserved_bytes(layout: ModelLayout, windows: list[LayerRange], n_ctx: int, n
     """What windows need besides weights: their KV cache and their llama.cpp compute buffers. A window gives its
     buffer's pages back after a prompt (ContextSettings.release_compute), and the windows run one at a time, so
     one buffer sized for a micro-batch is resident at most, beside what a one-token decode touches in the others."""
-    kv = sum(layout.kv_bytes_per_token(il) * n_ctx for w in windows for il in range(w.start, w.end))
+    kv = sum(layout.cache_bytes(il, n_ctx) for w in windows for il in range(w.start, w.end))
     if not windows:
         return kv
     one_row = compute_buffer_layers_bytes(layout, n_ctx, 1, 1)

@@ -29,8 +29,12 @@ from primaplug.core.windows import LayerRange
 
 # Architectures whose graphs the patch (patches/0001) can split into windows; must match
 # llama_window_supported_archs() in the engine (a test checks it).
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss", "glm4moe", "mistral3", "granite", "gemma3",
-                   "gemma2", "olmo2", "phi3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "gpt-oss", "glm4moe", "mistral3",
+                   "granite", "gemma3", "gemma2", "gemma4", "olmo2", "phi3")
+# Architectures with recurrent layers (gated delta-net) beside attention, each layer marked in the file or full
+# attention every `full_attention_interval`-th layer (llama.cpp's default for them: 4); they rotate positions with
+# M-RoPE, which takes four positions per hidden-state row
+_HYBRID_ARCHS = ("qwen35", "qwen35moe")
 
 # ggml types that llama.cpp's CPU backend can repack for faster kernels (ggml-cpu/repack.cpp; engine/repacked.py)
 REPACKABLE = frozenset({"Q1_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q8_0", "IQ4_NL", "MXFP4"})
@@ -90,6 +94,17 @@ class ModelLayout:
     n_expert_used: int = 0
     # layers in the file past n_layer that a plain run skips: multi-token-prediction heads (glm4moe's NextN)
     n_layer_nextn: int = 0
+    # sliding-window layers' head dims where they differ from the global layers' (gemma4), else None
+    head_dim_k_swa: int | None = None
+    head_dim_v_swa: int | None = None
+    # why the engine cannot split this model into windows although its architecture is supported, or None
+    unsupported_reason: str | None = None
+    # per layer: True for a recurrent layer (gated delta-net), whose state cannot forget positions; empty: none
+    recurrent_layers: tuple[bool, ...] = ()
+    # positions per row of a hidden-state batch: 4 with M-RoPE (section-major: t, h, w, then 0), else 1
+    positions_per_row: int = 1
+    # one sequence's recurrent state in a recurrent layer: the convolution's last inputs and the delta-net's matrix
+    recurrent_state_bytes: int = 0
 
     @property
     def n_layer_all(self) -> int:
@@ -106,11 +121,11 @@ class ModelLayout:
 
     @property
     def supports_windows(self) -> bool:
-        return self.arch in SUPPORTED_ARCHS
+        return self.arch in SUPPORTED_ARCHS and self.unsupported_reason is None
 
     def check_supported(self) -> None:
         if not self.supports_windows:
-            raise UnsupportedArchitectureError(self.arch, SUPPORTED_ARCHS)
+            raise UnsupportedArchitectureError(self.arch, SUPPORTED_ARCHS, self.unsupported_reason)
 
     # --- tensors by role ----------------------------------------------------------------------------------
 
@@ -210,9 +225,31 @@ class ModelLayout:
 
     # --- KV cache ----------------------------------------------------------------------------------------
 
+    @property
+    def has_recurrent_layers(self) -> bool:
+        """Whether some layer keeps a recurrent state: a sequence then cannot be rewound part way (only cleared),
+        and one device's windows cannot share a context."""
+        return any(self.recurrent_layers)
+
+    def head_dims(self, layer: int) -> tuple[int, int]:
+        """A layer's key and value head dims."""
+        if self.swa_layers[layer] and self.head_dim_k_swa is not None:
+            return self.head_dim_k_swa, self.head_dim_v_swa or self.head_dim_k_swa
+        return self.head_dim_k, self.head_dim_v
+
     def kv_bytes_per_token(self, layer: int, bytes_per_value: int = 2) -> int:
-        """KV-cache bytes one token takes in one layer (F16 cache by default)."""
-        return self.n_head_kv[layer] * (self.head_dim_k + self.head_dim_v) * bytes_per_value
+        """KV-cache bytes one token takes in one layer (F16 cache by default); none in a recurrent layer, whose state
+        (recurrent_state_bytes a sequence) does not grow."""
+        if self.recurrent_layers and self.recurrent_layers[layer]:
+            return 0
+        return self.n_head_kv[layer] * sum(self.head_dims(layer)) * bytes_per_value
+
+    def cache_bytes(self, layer: int, n_ctx: int, n_seq: int = 1) -> int:
+        """What a layer's cache takes for n_ctx positions over n_seq sequences: keys and values, or a recurrent
+        layer's states (one a sequence, whatever its length)."""
+        if self.recurrent_layers and self.recurrent_layers[layer]:
+            return self.recurrent_state_bytes * n_seq
+        return self.kv_bytes_per_token(layer) * n_ctx
 
 
 def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -351,6 +388,7 @@ def _layout(
     embd = next((t for t in tensors if t.name == "token_embd.weight"), None)
     if embd is not None and len(embd.shape) == 2:
         n_vocab = embd.shape[1]
+    swa_k, swa_v = kv.get(f"{arch}.attention.key_length_swa"), kv.get(f"{arch}.attention.value_length_swa")
     sliding = kv.get(f"{arch}.attention.sliding_window")
     pattern = _SWA_PATTERN.get(arch)
     given = kv.get(f"{arch}.attention.sliding_window_pattern")
@@ -367,4 +405,37 @@ def _layout(
         has_chat_template=bool(kv.get("tokenizer.chat_template")),
         n_expert=int(kv.get(f"{arch}.expert_count") or 0), n_expert_used=int(kv.get(f"{arch}.expert_used_count") or 0),
         n_layer_nextn=n_layer_nextn,
+        head_dim_k_swa=int(swa_k) if swa_k else None, head_dim_v_swa=int(swa_v) if swa_v else None,
+        unsupported_reason=_unsupported_reason(arch, kv, n_layer),
+        **_recurrence(arch, kv, n_layer),
     )
+
+
+def _recurrence(arch: str, kv: dict[str, Any], n_layer: int) -> dict[str, Any]:
+    """Which layers are recurrent, and what a sequence's state takes in each (llama.cpp's qwen35.cpp and
+    llama_hparams::n_embd_r/n_embd_s, F32)."""
+    if arch not in _HYBRID_ARCHS:
+        return {}
+    marked = kv.get(f"{arch}.attention.recurrent_layers")
+    if isinstance(marked, list) and len(marked) >= n_layer:
+        recurrent = tuple(bool(v) for v in marked[:n_layer])
+    else:
+        interval = int(kv.get(f"{arch}.full_attention_interval") or 4)
+        recurrent = tuple((il + 1) % interval != 0 for il in range(n_layer))
+    d_conv, d_inner = int(kv.get(f"{arch}.ssm.conv_kernel") or 0), int(kv.get(f"{arch}.ssm.inner_size") or 0)
+    d_state, n_group = int(kv.get(f"{arch}.ssm.state_size") or 0), int(kv.get(f"{arch}.ssm.group_count") or 0)
+    conv = max(0, d_conv - 1) * (d_inner + 2 * n_group * d_state)
+    state = d_state * d_inner
+    return {"recurrent_layers": recurrent, "positions_per_row": 4, "recurrent_state_bytes": 4 * (conv + state)}
+
+
+def _unsupported_reason(arch: str, kv: dict[str, Any], n_layer: int) -> str | None:
+    """What keeps a model of a supported architecture out of windows (llama_model_supports_windows in the engine)."""
+    if arch == "gemma4":
+        if int(kv.get("gemma4.embedding_length_per_layer_input") or 0):
+            return ("its per-layer token embeddings (Gemma 4 E2B and E4B) are computed from the tokens for every layer "
+                    "at once; run Gemma 4 26B-A4B or 31B in windows, or this model with plain llama-cpp-python")
+        if int(kv.get("gemma4.attention.shared_kv_layers") or 0):
+            return ("its last layers read earlier layers' keys and values (shared KV), which windows do not keep "
+                    "together yet; run it with plain llama-cpp-python")
+    return None

@@ -272,8 +272,9 @@ class Model:
     @property
     def can_share_context(self) -> bool:
         """Whether this model's windows can share one llama.cpp context (shared_windows): not with sliding-window
-        attention, whose cache may drop cells that a later window still needs while the first runs a long batch."""
-        return not any(self.layout.swa_layers)
+        attention, whose cache may drop cells that a later window still needs while the first runs a long batch, nor
+        with recurrent layers, whose state a later window would find neither zeroed for a new sequence nor placed."""
+        return not any(self.layout.swa_layers) and not self.layout.has_recurrent_layers
 
     def shared_windows(
         self,
@@ -299,8 +300,8 @@ class Model:
             raise WindowRangeError(f"need at least one window and one on_layer entry per window, got {len(ranges)} "
                                    f"window(s) and {len(hooks)} entries")
         if not self.can_share_context:
-            raise WindowRangeError(f"{self.layout.arch} uses sliding-window attention: open its windows one context "
-                                   "each (Model.window)")
+            raise WindowRangeError(f"{self.layout.arch} uses sliding-window attention or recurrent layers: open its "
+                                   "windows one context each (Model.window)")
         for a, b in itertools.pairwise(ranges):
             if b.start < a.end:
                 raise WindowRangeError(f"windows {a} and {b} overlap or are out of order")
@@ -411,12 +412,20 @@ class Model:
 
 
 class _Batch:
-    """A llama_batch allocated once: token ids (n_embd 0) or hidden rows of n_embd floats, one sequence per row."""
+    """A llama_batch allocated once: token ids (n_embd 0) or hidden rows of n_embd floats, one sequence per row.
+    Hidden rows of a model with M-RoPE take `positions` positions each, section-major (llama_batch_compat)."""
 
-    def __init__(self, n_batch: int, n_embd: int) -> None:
+    def __init__(self, n_batch: int, n_embd: int, positions: int = 1) -> None:
         self.raw = _ll.llama_batch_init(n_batch, n_embd, 1)
         self.n_batch = n_batch
         self.tokens = n_embd == 0
+        self.sections = 1 if self.tokens else positions
+        # llama_batch_free frees the array llama_batch_init gave: put its address back first (an address, not the
+        # field's pointer object, which shares the struct's memory)
+        self._own_pos = ctypes.cast(self.raw.pos, ctypes.c_void_p).value
+        if self.sections > 1:  # four positions a row: llama_batch_init allocated one
+            self._pos_sections = np.zeros(self.sections * n_batch, dtype=np.int32)
+            self.raw.pos = self._pos_sections.ctypes.data_as(type(self.raw.pos))
         self.pos = np.ctypeslib.as_array(self.raw.pos, (n_batch,))
         self.want = np.ctypeslib.as_array(self.raw.logits, (n_batch,))
         for k in range(n_batch):
@@ -428,7 +437,12 @@ class _Batch:
     def fill(self, rows: np.ndarray, pos: np.ndarray, want: np.ndarray, seqs: np.ndarray) -> None:
         b, n = self.raw, len(rows)
         ctypes.memmove(b.token if self.tokens else b.embd, rows.ctypes.data, rows.nbytes)
-        self.pos[:n] = pos
+        if self.sections > 1:  # M-RoPE: the position for time, height and width, then 0, as llama.cpp gives a token
+            sections = self._pos_sections[: self.sections * n].reshape(self.sections, n)
+            sections[:3] = pos
+            sections[3:] = 0
+        else:
+            self.pos[:n] = pos
         self.want[:n] = want
         for k in np.flatnonzero(self._seqs[:n] != seqs):
             b.seq_id[k][0] = int(seqs[k])
@@ -436,6 +450,7 @@ class _Batch:
         b.n_tokens = n
 
     def free(self) -> None:
+        self.raw.pos = ctypes.cast(self._own_pos, type(self.raw.pos))
         _ll.llama_batch_free(self.raw)
 
 
@@ -447,6 +462,7 @@ class _Context:
                  create: Callable[[_ll.llama_context_params], int | None], what: str) -> None:
         self.settings = settings
         self.n_embd = model.layout.n_embd
+        self.positions = model.layout.positions_per_row
         pool, self.cpu = model._threadpool(settings)  # the core the calling thread computes on, if pinned
         params = settings.params()
         # one callback per context; a shared context points it at the selected window's on_layer
@@ -468,7 +484,7 @@ class _Context:
     def batch(self, tokens: bool) -> _Batch:
         """The batch for token ids or for hidden rows, allocated on first use and kept."""
         if tokens not in self._batches:
-            self._batches[tokens] = _Batch(self.settings.n_batch, 0 if tokens else self.n_embd)
+            self._batches[tokens] = _Batch(self.settings.n_batch, 0 if tokens else self.n_embd, self.positions)
         return self._batches[tokens]
 
     def window_closed(self) -> None:

@@ -21,11 +21,16 @@ from primaplug.core.errors import EngineError, ModelFormatError
 # llama_ftype values of llama.h (MXFP4_MOE: experts in MXFP4, as gpt-oss ships; the rest Q8_0)
 FTYPES = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K_M": 15, "Q4_K_S": 14, "Q5_K_M": 17, "Q6_K": 18, "MXFP4_MOE": 38}
 # each written with its real tensor names, shapes and hyper-parameters (llama.cpp's src/models/<arch>.cpp)
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss", "glm4moe", "mistral3", "granite", "gemma2", "olmo2", "phi3")
-MOE_ARCHS = ("qwen3moe", "gpt-oss", "glm4moe")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "gpt-oss", "glm4moe", "mistral3", "granite",
+         "gemma2", "gemma4", "olmo2", "phi3")
+MOE_ARCHS = ("qwen3moe", "qwen35moe", "gpt-oss", "glm4moe", "gemma4")
+# gated delta-net layers (recurrent state) with full attention every QWEN35_ATTENTION_INTERVAL-th layer (the real
+# models: every 4th; here every 3rd, so that 7 layers hold two attention layers)
+QWEN35_ARCHS = ("qwen35", "qwen35moe")
+QWEN35_ATTENTION_INTERVAL = 3
 _QKV_BIAS = ("qwen2", "gpt-oss", "glm4moe")
 _POST_ATTN_NORM = ("gemma2", "olmo2", "gpt-oss", "glm4moe")  # the last two: it is also the FFN's input norm
-_SLIDING = ("gpt-oss", "gemma2")  # sliding-window attention on alternate layers
+_SLIDING = ("gpt-oss", "gemma2", "gemma4")  # sliding-window attention on alternate layers (gemma4: gemma4_sliding)
 
 
 @dataclass(frozen=True)
@@ -45,8 +50,8 @@ class SyntheticSpec:
     n_expert: int = 8
     n_expert_used: int = 2
     n_ff_exp: int = 256
-    # glm4moe: a shared expert beside the routed ones, dense leading layers, and the multi-token-prediction layers
-    # (NextN) that follow the trunk in the file (blk.{n_layer}...) and that a plain run skips
+    # glm4moe: a shared expert beside the routed ones, dense leading layers (gemma4 too), and the multi-token-prediction
+    # layers (NextN) that follow the trunk in the file (blk.{n_layer}...) and that a plain run skips
     n_expert_shared: int = 1
     n_dense_lead: int = 1
     n_nextn: int = 1
@@ -93,8 +98,8 @@ def _tensors(spec: SyntheticSpec,
     def experts(n: int, rows: int, cols: int) -> Callable[[], np.ndarray]:
         return lambda: (rng.standard_normal((n, rows, cols)) / np.sqrt(cols)).astype(np.float32)
 
-    def norm(n: int) -> Callable[[], np.ndarray]:
-        return lambda: (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    def norm(n: int, gain: float = 1.0) -> Callable[[], np.ndarray]:
+        return lambda: (gain * (1.0 + 0.1 * rng.standard_normal(n))).astype(np.float32)
 
     def bias(*shape: int) -> Callable[[], np.ndarray]:
         return lambda: (0.1 * rng.standard_normal(shape)).astype(np.float32)
@@ -104,6 +109,12 @@ def _tensors(spec: SyntheticSpec,
     a = spec.arch
     for il in range(spec.n_blocks):
         p = f"blk.{il}."
+        if a == "gemma4":
+            yield from _gemma4_layer(spec, il, mat, norm, experts)
+            continue
+        if a in QWEN35_ARCHS:
+            yield from _qwen35_layer(spec, il, mat, norm, bias, experts)
+            continue
         if a != "olmo2":  # olmo2 normalises after attention and FFN only
             yield p + "attn_norm.weight", (e,), norm(e)
         if a == "phi3":  # one fused projection
@@ -145,11 +156,111 @@ def _tensors(spec: SyntheticSpec,
             for name in ("nextn.enorm.weight", "nextn.hnorm.weight", "nextn.shared_head_norm.weight"):
                 yield p + name, (e,), norm(e)
     yield "output_norm.weight", (e,), norm(e)
-    if a != "gemma2":  # gemma2's lm_head is its token embedding
+    if a not in ("gemma2", "gemma4"):  # their lm_head is their token embedding
         yield "output.weight", (spec.n_vocab, e), mat(spec.n_vocab, e, 4.0)
 
 
 Maker = Callable[[], np.ndarray]
+
+
+def qwen35_recurrent(il: int) -> bool:
+    """Whether layer il of a synthetic Qwen 3.5 is a gated delta-net layer (else full attention)."""
+    return (il + 1) % QWEN35_ATTENTION_INTERVAL != 0
+
+
+# a synthetic Qwen 3.5's gated delta-net: key heads (ssm.group_count), value heads (ssm.time_step_rank), their width
+# (ssm.state_size) and the causal convolution's kernel
+_DELTA_K_HEADS, _DELTA_V_HEADS, _DELTA_HEAD, _DELTA_CONV = 2, 4, 32, 4
+
+
+def _qwen35_layer(spec: SyntheticSpec, il: int, mat: Callable[..., Maker], norm: Callable[..., Maker],
+                  bias: Callable[..., Maker],
+                  experts: Callable[[int, int, int], Maker]) -> Iterator[tuple[str, tuple[int, ...], Maker]]:
+    """A Qwen 3.5 block (llama.cpp's models/qwen35.cpp, qwen35moe.cpp): a gated delta-net layer (a fused QKV that a
+    causal convolution mixes, a gate, the decay's alpha and beta, the state's norm) or full attention whose query
+    projection also makes an output gate; then a dense FFN (qwen35) or routed experts beside a gated shared expert."""
+    e, p, hd = spec.n_embd, f"blk.{il}.", spec.n_embd // spec.n_head
+    yield p + "attn_norm.weight", (e,), norm(e)
+    if qwen35_recurrent(il):
+        key, value = _DELTA_K_HEADS * _DELTA_HEAD, _DELTA_V_HEADS * _DELTA_HEAD
+        conv = 2 * key + value
+        yield p + "attn_qkv.weight", (conv, e), mat(conv, e)
+        yield p + "attn_gate.weight", (value, e), mat(value, e)
+        yield p + "ssm_conv1d.weight", (conv, _DELTA_CONV), mat(conv, _DELTA_CONV)
+        yield p + "ssm_dt.bias", (_DELTA_V_HEADS,), bias(_DELTA_V_HEADS)
+        yield p + "ssm_a", (_DELTA_V_HEADS,), lambda: -np.linspace(0.2, 1.0, _DELTA_V_HEADS, dtype=np.float32)
+        yield p + "ssm_beta.weight", (_DELTA_V_HEADS, e), mat(_DELTA_V_HEADS, e)
+        yield p + "ssm_alpha.weight", (_DELTA_V_HEADS, e), mat(_DELTA_V_HEADS, e)
+        yield p + "ssm_norm.weight", (_DELTA_HEAD,), norm(_DELTA_HEAD)
+        yield p + "ssm_out.weight", (e, value), mat(e, value)
+    else:
+        q, kv = 2 * spec.n_head * hd, spec.n_head_kv * hd
+        yield p + "attn_q.weight", (q, e), mat(q, e)
+        yield p + "attn_k.weight", (kv, e), mat(kv, e)
+        yield p + "attn_v.weight", (kv, e), mat(kv, e)
+        yield p + "attn_output.weight", (e, spec.n_head * hd), mat(e, spec.n_head * hd)
+        yield p + "attn_q_norm.weight", (hd,), norm(hd)
+        yield p + "attn_k_norm.weight", (hd,), norm(hd)
+    yield p + "post_attention_norm.weight", (e,), norm(e)
+    if spec.arch == "qwen35":
+        yield p + "ffn_gate.weight", (spec.n_ff, e), mat(spec.n_ff, e)
+        yield p + "ffn_up.weight", (spec.n_ff, e), mat(spec.n_ff, e)
+        yield p + "ffn_down.weight", (e, spec.n_ff), mat(e, spec.n_ff)
+        return
+    x, f = spec.n_expert, spec.n_ff_exp
+    yield p + "ffn_gate_inp.weight", (x, e), mat(x, e, 4.0)
+    yield p + "ffn_gate_exps.weight", (x, f, e), experts(x, f, e)
+    yield p + "ffn_up_exps.weight", (x, f, e), experts(x, f, e)
+    yield p + "ffn_down_exps.weight", (x, e, f), experts(x, e, f)
+    yield p + "ffn_gate_inp_shexp.weight", (e,), bias(e)
+    yield p + "ffn_gate_shexp.weight", (f, e), mat(f, e)
+    yield p + "ffn_up_shexp.weight", (f, e), mat(f, e)
+    yield p + "ffn_down_shexp.weight", (e, f), mat(e, f)
+
+
+def gemma4_sliding(il: int) -> bool:
+    """Gemma 4's synthetic layer pattern: two sliding-window layers, then a global one (the real models: five, one)."""
+    return il % 3 < 2
+
+
+def _gemma4_layer(spec: SyntheticSpec, il: int, mat: Callable[..., Maker], norm: Callable[..., Maker],
+                  experts: Callable[[int, int, int], Maker]) -> Iterator[tuple[str, tuple[int, ...], Maker]]:
+    """A Gemma 4 block (llama.cpp's models/gemma4.cpp, as Gemma 4 26B-A4B): sliding layers with heads of e/n_head
+    and n_head_kv key-value heads; global ones with heads twice as wide, one key-value head whose keys are also its
+    values (no attn_v) and proportional rope (rope_freqs); a scalar on the block's output; after the dense first
+    layers (n_dense_lead), a dense MLP beside the routed experts, whose gate and up are one tensor."""
+    e, p = spec.n_embd, f"blk.{il}."
+    sliding = gemma4_sliding(il)
+    hd = spec.n_embd // spec.n_head * (1 if sliding else 2)
+    kv = hd * (spec.n_head_kv if sliding else 1)
+    yield p + "attn_norm.weight", (e,), norm(e)
+    yield p + "attn_q.weight", (spec.n_head * hd, e), mat(spec.n_head * hd, e)
+    yield p + "attn_k.weight", (kv, e), mat(kv, e)
+    if sliding:
+        yield p + "attn_v.weight", (kv, e), mat(kv, e)
+    elif all(gemma4_sliding(j) for j in range(il)):  # the first global layer holds the rope_freqs they all read
+        yield "rope_freqs.weight", (hd // 2,), norm(hd // 2)
+    yield p + "attn_q_norm.weight", (hd,), norm(hd)
+    yield p + "attn_k_norm.weight", (hd,), norm(hd)
+    yield p + "attn_output.weight", (e, spec.n_head * hd), mat(e, spec.n_head * hd)
+    # the embedding is scaled by sqrt(e) and is also the lm_head: post-norms as large let the layers, not the token
+    # itself, decide the next token
+    big = float(np.sqrt(e))
+    yield p + "post_attention_norm.weight", (e,), norm(e, big)
+    yield p + "layer_output_scale.weight", (1,), lambda: np.full(1, 0.9, dtype=np.float32)
+    yield p + "ffn_norm.weight", (e,), norm(e)
+    yield p + "ffn_gate.weight", (spec.n_ff, e), mat(spec.n_ff, e)
+    yield p + "ffn_up.weight", (spec.n_ff, e), mat(spec.n_ff, e)
+    yield p + "ffn_down.weight", (e, spec.n_ff), mat(e, spec.n_ff)
+    yield p + "post_ffw_norm.weight", (e,), norm(e, big)
+    if il >= spec.n_dense_lead:
+        x, f = spec.n_expert, spec.n_ff_exp
+        yield p + "ffn_gate_inp.weight", (x, e), mat(x, e, 4.0 * np.sqrt(e))  # its input is scaled by 1/sqrt(e)
+        yield p + "ffn_gate_inp.scale", (e,), norm(e)
+        for name in ("pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2"):
+            yield p + name + ".weight", (e,), norm(e)
+        yield p + "ffn_gate_up_exps.weight", (x, 2 * f, e), experts(x, 2 * f, e)
+        yield p + "ffn_down_exps.weight", (x, e, f), experts(x, e, f)
 
 
 def _moe_ffn(spec: SyntheticSpec, p: str, mat: Callable[..., Maker], experts: Callable[[int, int, int], Maker],
@@ -199,9 +310,21 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
     w.add_embedding_length(e)
     w.add_feed_forward_length(spec.n_ff)
     w.add_head_count(spec.n_head)
-    w.add_head_count_kv(spec.n_head_kv)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
+    if spec.arch == "gemma4":  # sliding layers, then global ones with wider heads and one KV head (_gemma4_layer)
+        w.add_head_count_kv([spec.n_head_kv if gemma4_sliding(il) else 1 for il in range(spec.n_layer)])
+        w.add_key_length(2 * hd)
+        w.add_value_length(2 * hd)
+        w.add_key_length_swa(hd)
+        w.add_value_length_swa(hd)
+        w.add_rope_dimension_count_swa(hd)
+        w.add_sliding_window_pattern([gemma4_sliding(il) for il in range(spec.n_layer)])
+        w.add_embedding_length_per_layer_input(0)  # no per-layer token embeddings (E2B, E4B): windows refuse them
+        w.add_final_logit_softcapping(100.0)  # far from saturation: no near-ties at the cap
+        w.add_rope_freq_base_swa(10000.0)
+    else:
+        w.add_head_count_kv(spec.n_head_kv)
+        w.add_key_length(hd)
+        w.add_value_length(hd)
     w.add_layer_norm_rms_eps(1e-6)
     if spec.arch == "mistral3":  # Llama 4's attention temperature: queries scaled by log(floor(pos / 64) + 1)
         w.add_attn_temperature_scale(0.1)
@@ -225,6 +348,18 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
         w.add_rope_dimension_count(hd // 2)
     if spec.arch in _SLIDING:
         w.add_sliding_window(spec.sliding_window)
+    if spec.arch in QWEN35_ARCHS:  # partial M-RoPE (a quarter of each head, as the real models), the delta-net
+        half = hd // 8  # rotated pairs, split over M-RoPE's time, height and width sections
+        w.add_rope_dimension_count(2 * half)
+        w.add_rope_dimension_sections([3 * half // 8, 3 * half // 8, half - 2 * (3 * half // 8), 0])
+        w.add_full_attention_interval(QWEN35_ATTENTION_INTERVAL)
+        w.add_ssm_conv_kernel(_DELTA_CONV)
+        w.add_ssm_inner_size(_DELTA_V_HEADS * _DELTA_HEAD)
+        w.add_ssm_state_size(_DELTA_HEAD)
+        w.add_ssm_time_step_rank(_DELTA_V_HEADS)
+        w.add_ssm_group_count(_DELTA_K_HEADS)
+    if spec.arch == "qwen35moe":
+        w.add_expert_shared_feed_forward_length(spec.n_ff_exp)
     if spec.arch == "gemma2":  # soft-capped attention scores and logits
         w.add_attn_logit_softcapping(50.0)
         w.add_final_logit_softcapping(30.0)
@@ -241,8 +376,10 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
     w.add_eos_token_id(2)
 
     def np_dtype(name: str, shape: tuple[int, ...]) -> type:
-        # biases stay F32 however many dimensions they have (gpt-oss's expert biases are 2-D): ggml adds only F32
-        return np.float16 if dtype == "F16" and len(shape) >= 2 and name.endswith(".weight") else np.float32
+        # biases stay F32 however many dimensions they have (gpt-oss's expert biases are 2-D): ggml adds only F32;
+        # so does the delta-net's convolution kernel, which ggml computes in F32 only
+        return (np.float16 if dtype == "F16" and len(shape) >= 2 and name.endswith(".weight")
+                and "ssm_conv1d" not in name else np.float32)
 
     tensors = list(_tensors(spec, rng))
     total = 0
@@ -277,15 +414,16 @@ def spec_for_size(size_bytes: int, n_layer: int, *, ftype: str = "Q4_K_M", n_voc
             "MXFP4_MOE": 4.25}[ftype]
     moe = arch in MOE_ARCHS
     # weights per layer in units of e^2: q and o (1 each), k and v (1/4 each); then gate, up and down (3 x 3.5),
-    # or for experts of width e/2, 1.5 per expert (and glm4moe's shared expert 1.5 more)
-    per_e2 = 2.5 + (1.5 * n_expert + (1.5 if arch == "glm4moe" else 0.0) if moe else 10.5)
+    # or for experts of width e/2, 1.5 per expert (and what is beside them)
+    beside = {"glm4moe": 1.5, "gemma4": 10.5}.get(arch, 0.0)  # a shared expert; gemma4's dense MLP
+    per_e2 = 2.5 + (1.5 * n_expert + beside if moe else 10.5)
     per_layer_weights = size_bytes * 8 / bits / n_layer
     e = max(256, int(round((per_layer_weights / per_e2) ** 0.5 / 256)) * 256)
     n_head = e // 128 if e >= 512 else 4
     n_head_kv = max(d for d in range(1, n_head + 1) if n_head % d == 0 and d <= max(1, n_head // 4))
     n_ff = int(round(3.5 * e / 256)) * 256
     # the experts' width from what is left of the layer once e is rounded (a multiple of 256, for k-quants)
-    left = per_layer_weights - 2.5 * e * e - (1.5 * e * e if arch == "glm4moe" else 0.0)
+    left = per_layer_weights - (2.5 + beside) * e * e
     n_ff_exp = max(256, int(round(left / (3 * e * n_expert) / 256)) * 256)
     extra = dict(n_expert=n_expert, n_expert_used=n_expert_used, n_ff_exp=n_ff_exp,
                  router_skew=router_skew) if moe else {}

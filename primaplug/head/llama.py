@@ -170,6 +170,9 @@ class Llama(RingLlama):
         path = Path(model_path)
         layout = read_layout(path)
         layout.check_supported()
+        if draft_model is not None and layout.has_recurrent_layers:
+            raise ConfigError(f"{path.name} has recurrent layers (gated delta-net), whose state cannot forget a "
+                              "rejected draft's tokens: run it without a draft model (--draft)")
         for name in ("n_ctx", "n_batch", "n_ubatch"):
             kwargs.setdefault(name, getattr(_RUN, name))
         n_ctx = kwargs["n_ctx"] or layout.n_ctx_train
@@ -243,12 +246,14 @@ class Llama(RingLlama):
             # a node lost, restarted or joined re-forms the ring (head/recovery.py); requests replay onto it
             self._recovery = Recovery(cluster, open_ring(cluster), open_ring, replanner,
                                       idle=lambda: self._slots.running == 0, candidates=node_candidates)
-            self.session = Session(self._batcher, n_batch=n_batch, events=self.events, reform=self._recovery)
+            rewindable = not layout.has_recurrent_layers
+            self.session = Session(self._batcher, n_batch=n_batch, events=self.events, reform=self._recovery,
+                                   rewindable=rewindable)
             super().__init__(model, self.session, speculation=self.speculation, **kwargs)
             # the other sequences: a llama-cpp-python front each (its sampler, its prefix), on the same ring
             self._slots = Slots([self] + [
                 RingLlama(model, Session(self._batcher, n_batch=n_batch, events=self.events, seq_id=i,
-                                         reform=self._recovery), **kwargs)
+                                         reform=self._recovery, rewindable=rewindable), **kwargs)
                 for i in range(1, n_parallel)])
         except BaseException:
             self._close_ring()

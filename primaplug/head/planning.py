@@ -85,7 +85,7 @@ def draft_bytes(draft: object, n_ctx: int, n_batch: int, n_ubatch: int) -> int:
     if not isinstance(draft, (str, os.PathLike)) or not os.path.isfile(draft):
         return 0
     layout = read_layout(draft)
-    kv = n_ctx * sum(layout.kv_bytes_per_token(il) for il in range(layout.n_layer))
+    kv = sum(layout.cache_bytes(il, n_ctx) for il in range(layout.n_layer))
     return os.path.getsize(draft) + kv + compute_buffer_output_bytes(layout, n_ctx, n_batch, n_ubatch)
 
 

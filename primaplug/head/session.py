@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from primaplug.core.errors import NodeError, NodeUnavailableError, PrimaplugError
+from primaplug.core.errors import NodeError, NodeUnavailableError, PrimaplugError, RecurrentRewindError
 from primaplug.core.settings import EXACT_BATCH_ROWS
 from primaplug.head.events import BatchDone, Events, NodeProgress, SessionChanged
 
@@ -92,11 +92,17 @@ def coalesce(batches: Sequence[tuple[int, list[int]]]) -> list[tuple[int, list[i
 
 
 class Session:
+    """`rewindable` False: the model has recurrent layers (gated delta-net), whose state cannot forget positions. A
+    rewind may then only clear the conversation (llama-cpp-python re-evaluates the prompt then, as it does on such a
+    model alone), and a replay sends the prefix in exactly the batches it went in: a recurrent layer computes a
+    batch of rows in chunks, and the same rows one by one round differently."""
+
     def __init__(self, ring: Ring, *, n_batch: int, events: Events | None = None, seq_id: int = 0,
-                 reform: Reform | None = None) -> None:
+                 reform: Reform | None = None, rewindable: bool = True) -> None:
         if n_batch < 1:
             raise PrimaplugError(f"n_batch must be at least 1, got {n_batch}")
         self.ring = ring
+        self.rewindable = rewindable
         self.n_batch = n_batch
         self.events = events or Events()
         self.seq_id = seq_id
@@ -150,6 +156,8 @@ class Session:
         them when the next batch, which starts at pos, reaches them."""
         if pos < 0:
             raise PrimaplugError(f"cannot rewind to position {pos}")
+        if 0 < pos < len(self.prefix) and not self.rewindable:
+            raise RecurrentRewindError(pos, len(self.prefix))
         with self._call():
             self._follow()
             if pos < len(self.prefix):
@@ -181,7 +189,7 @@ class Session:
             with self._call():
                 self._stale = False
                 self.clear()
-                for p, batch in coalesce(batches):
+                for p, batch in coalesce(batches) if self.rewindable else batches:
                     self.eval(batch, p)
                 self.rewind(len(prefix))
         except BaseException:

@@ -105,11 +105,12 @@ def layer_flops(layout: ModelLayout, layer: int, n_kv: int) -> dict[str, float]:
         else:
             elementwise += t.shape[0] * (_NORM_FLOPS if "norm" in t.name else 1)
     e, n_head = layout.n_embd, layout.n_head
-    q_dim, k_dim = n_head * layout.head_dim_k, layout.n_head_kv[layer] * layout.head_dim_k
+    dim_k, dim_v = layout.head_dims(layer)
+    q_dim, k_dim = n_head * dim_k, layout.n_head_kv[layer] * dim_k
     elementwise += _ROPE_FLOPS * (q_dim + k_dim) + _SOFTMAX_FLOPS * n_head * n_kv + _RESIDUAL_ADDS * e
     elementwise += (_GLU_FLOPS if has_gate else _GLU_FLOPS - 1) * _ffn_width(tensors, layout.n_expert_used)
     out["F32"] += elementwise
-    out[KV_TYPE] += 2.0 * n_head * (layout.head_dim_k + layout.head_dim_v) * n_kv
+    out[KV_TYPE] += 2.0 * n_head * (dim_k + dim_v) * n_kv
     return dict(out)
 
 
