@@ -40,10 +40,15 @@ def device(name: str, os: str = "linux", backend: str = "cpu", *, flops: float =
         link_latency_s=4e-3, link_bps=5e7)
 
 
-def random_instance(rng: np.random.Generator, n_devices: int, n_layer: int = 12) -> tuple[list, ModelProfile]:
-    """Heterogeneous devices (every OS and backend, GPUs, tight memory, slow disks) and a small model."""
-    m = model(n_layer, layer_gb=rng.uniform(0.2, 1.0), n_kv=int(rng.choice([512, 4096])),
-              output_bytes=int(rng.uniform(0.05, 0.5) * GB))
+def random_instance(rng: np.random.Generator, n_devices: int, n_layer: int = 12,
+                    moe: bool = False) -> tuple[list, ModelProfile]:
+    """Heterogeneous devices (every OS and backend, GPUs, tight memory, slow disks) and a small model (`moe`: most
+    of each layer routed experts, of which a token uses an eighth or fewer)."""
+    layer_gb = rng.uniform(0.2, 1.0)
+    experts = dict(layer_expert_bytes=int(rng.uniform(0.5, 0.95) * layer_gb * GB),
+                   expert_token_share=float(rng.choice([1 / 8, 1 / 16, 8 / 128]))) if moe else {}
+    m = model(n_layer, layer_gb=layer_gb, n_kv=int(rng.choice([512, 4096])),
+              output_bytes=int(rng.uniform(0.05, 0.5) * GB), **experts)
     devices = []
     for i in range(n_devices):
         os = str(rng.choice(["linux", "android", "macos", "macos"]))
@@ -83,11 +88,12 @@ def exhaustive(p: Platform) -> tuple[float, tuple[int, tuple[int, ...], tuple[in
     return best
 
 
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "experts"])
 @pytest.mark.parametrize("seed", range(6))
-def test_halda_matches_exhaustive_search(seed: int) -> None:
+def test_halda_matches_exhaustive_search(seed: int, moe: bool) -> None:
     rng = np.random.default_rng(seed)
     for _ in range(12):
-        devices, m = random_instance(rng, int(rng.integers(1, 5)))
+        devices, m = random_instance(rng, int(rng.integers(1, 5)), moe=moe)
         p = platform(devices, m)
         optimum, arg = exhaustive(p)
         result = halda(p)

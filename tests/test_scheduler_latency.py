@@ -153,6 +153,27 @@ def test_coefficients_reproduce_the_model_for_consistent_sets() -> None:
         assert k * (a @ w + b @ n + c.sum()) + kappa == pytest.approx(float(predict(p, k, w, n).total_s), rel=1e-12)
 
 
+def test_a_mixture_of_experts_is_priced_by_what_a_token_reads() -> None:
+    """Of a layer that is 90% routed experts, a token uses an eighth of those: its CPU reads the rest and that
+    eighth into registers, and a device that spills re-reads that share of what does not fit, each token (a node
+    reads only the chosen experts, memory/experts.py); memory still holds every expert. The set coefficients that
+    Halda's ILP takes reproduce the model for it too."""
+    moe = msgspec.structs.replace(MODEL, layer_expert_bytes=90_000_000, expert_token_share=1 / 8)
+    box = dev("box", mem_available_bytes=150_000_000)
+    dense, experts = platform([head(), box], MODEL), platform([head(), box], moe)
+    share = 1 - 90e6 * (7 / 8) / 101e6  # of b' = 101 MB, a token reads 101 - 78.75 MB
+    assert experts.stream_share == pytest.approx(share) and dense.stream_share == 1.0
+    assert experts.m_cpu[1] == pytest.approx(1e-6 + share * 101e6 / 1e10)
+    w, n = np.array([1, 3]), np.array([0, 0])
+    a, b = predict(dense, 1, w, n), predict(experts, 1, w, n)
+    assert a.overflows[1] and b.overflows[1]
+    assert b.disk_bytes[1] == pytest.approx(share * a.disk_bytes[1]) and b.ram_bytes[1] == a.ram_bytes[1]
+    sets = assign_sets(experts, 1, w, n)
+    coefficients = set_coefficients(experts, sets, 1)
+    assert (coefficients[0] @ w + coefficients[1] @ n + coefficients[2].sum() + coefficients[3]
+            == pytest.approx(float(b.total_s), rel=1e-12))
+
+
 def test_round_count_must_cover_the_model() -> None:
     with pytest.raises(ValueError, match="cover 6 layers, not 4"):
         predict_latency([head()], MODEL, 2, [3], [0])

@@ -175,3 +175,19 @@ def test_a_streaming_mixture_of_experts_is_priced_by_the_experts_its_tokens_choo
     roomy = platform([device("head"), device("a", ram_gb=16)], model(12, layer_gb=0.5,
                      layer_expert_bytes=int(0.45 * gb), expert_token_share=1 / 8), slow_disk_bps=1e6)
     assert predict_ring(roomy, 1, w, n).read_bytes[1] == 0
+
+
+@pytest.mark.parametrize("latency_model", ["paper", "ring"])
+def test_a_plan_for_a_mixture_of_experts_says_how_it_priced_a_layer(latency_model: str) -> None:
+    """The plan carries a mixture of experts' layer three ways (all its bytes, a token's, the working set) and the
+    dashboard's Plan pane shows them; a dense model's plan has none."""
+    from primaplug.tui.render import plan_summary
+
+    gb = 1 << 30
+    devices = [device("head", ram_gb=8), device("a", ram_gb=2.5, disk=1e8)]
+    moe = model(12, layer_gb=0.5, layer_expert_bytes=int(0.45 * gb), expert_token_share=1 / 8)
+    plan = solve(devices, moe, latency_model=latency_model)
+    assert plan.experts is not None and plan.experts == moe.experts
+    assert plan.experts.token_bytes == round(moe.layer_bytes - moe.layer_expert_bytes * 7 / 8)
+    assert "a token uses 12.5% of those" in plan_summary(plan).plain
+    assert solve(devices, model(12), latency_model=latency_model).experts is None

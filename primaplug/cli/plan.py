@@ -61,22 +61,12 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _experts(model: Any) -> str:
-    """A mixture of experts' layer three ways: all its bytes (memory, disk), a token's, and the routed experts'."""
-    if not model.layer_expert_bytes:
-        return ""
-    gb, e = 1e9, model.layer_expert_bytes
-    token = model.layer_bytes - e + model.expert_token_share * e
-    return (f"; a mixture of experts: {e / gb:.3f} GB of each layer are routed experts, of which a token uses "
-            f"{model.expert_token_share:.1%}: {token / gb:.3f} GB a token a layer, read as chosen where it streams")
-
-
 def profiles_table(measured: Any) -> str:
     gb = 1e9
     lines = [f"model {measured.model.name}: {measured.model.n_layer} layers of "
              f"{measured.model.layer_bytes / gb:.3f} GB, "
              f"KV {measured.model.kv_bytes_per_token_layer} B/token/layer for {measured.model.n_kv} tokens"
-             + _experts(measured.model),
+             + (f"; {measured.model.experts.describe()}" if measured.model.experts else ""),
              f"links (measured over the ring): {measured.link_latency_s * 1000:.2f} ms, "
              f"{measured.link_bps * 8 / 1e6:.0f} Mbit/s per hop"]
     for d in measured.devices:

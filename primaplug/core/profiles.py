@@ -59,6 +59,34 @@ class DeviceProfile(msgspec.Struct, frozen=True, kw_only=True):
         return self.backend != "cpu"
 
 
+class ExpertBytes(msgspec.Struct, frozen=True):
+    """A mixture of experts' layer three ways: all its bytes (what memory and disk hold), the bytes one token uses
+    (what it computes on and, where the layer streams, reads), and the working set a streaming node keeps for its
+    tokens' chosen experts (core/budget.py: EXPERT_WORKING_LAYERS layers' worth; its budget's rest keeps the most
+    used experts)."""
+
+    layer_bytes: int
+    expert_bytes: int  # of layer_bytes, the routed experts'
+    token_share: float  # of the routed experts, the share one token uses (n_expert_used / n_expert)
+
+    @property
+    def token_bytes(self) -> int:
+        return round(self.layer_bytes - self.expert_bytes * (1.0 - self.token_share))
+
+    @property
+    def working_bytes(self) -> int:
+        from primaplug.core.budget import EXPERT_WORKING_LAYERS
+
+        return round(EXPERT_WORKING_LAYERS * self.token_share * self.expert_bytes)
+
+    def describe(self) -> str:
+        gb = 1e9
+        return (f"a mixture of experts: each layer {self.layer_bytes / gb:.3f} GB in memory and on disk, of which "
+                f"{self.expert_bytes / gb:.3f} GB routed experts; a token uses {self.token_share:.1%} of those, "
+                f"{self.token_bytes / gb:.3f} GB a layer, read as chosen where it streams, within a working set of "
+                f"{self.working_bytes / gb:.3f} GB beside the hot experts")
+
+
 class ModelProfile(msgspec.Struct, frozen=True, kw_only=True):
     """One model, for one context and batch size, as Halda sees it (from the GGUF header alone)."""
 
@@ -95,6 +123,13 @@ class ModelProfile(msgspec.Struct, frozen=True, kw_only=True):
     def hidden_bytes(self) -> int:
         """One hidden state on the wire (float32 row)."""
         return 4 * self.n_embd
+
+    @property
+    def experts(self) -> ExpertBytes | None:
+        """A mixture of experts' layer three ways, or None for a dense model."""
+        if not self.layer_expert_bytes:
+            return None
+        return ExpertBytes(self.layer_bytes, self.layer_expert_bytes, self.expert_token_share)
 
     @property
     def layer_bytes_with_kv(self) -> int:

@@ -137,11 +137,13 @@ class FixedKSolver:
         per_round = p.n_layer // k  # W
         per_window = k * p.layer_kv_bytes
         room = p.ram_cap - p.ram_fixed(k)
-        # the head may overflow by its one input row at no cost: it reads that row from disk anyway (the max
-        # in Eqs. 15-17)
-        room_free = room + np.where(p.head, p.lookup_bytes, 0)
-        fit_free = room_free // per_window
-        s = np.where(p.disk_bps > 0, p.disk_bps, np.inf)
+        # what spills is re-read each token at the layer's stream share (a mixture of experts: its chosen experts)
+        share = p.stream_share
+        s = np.where(p.disk_bps > 0, p.disk_bps, np.inf) / share
+        # the head may overflow by as much as re-reads its one input row at no cost: it reads that row from disk
+        # anyway (the max in Eqs. 15-17)
+        room_free = room + np.where(p.head, p.lookup_bytes / share if share < 1 else p.lookup_bytes, 0)
+        fit_free = (room_free // per_window).astype(np.int64)
         c = {
             "W": np.int64(per_round),
             "full": np.full(p.n_devices, per_round, dtype=np.int64),

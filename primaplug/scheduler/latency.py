@@ -100,6 +100,16 @@ class Platform:
         return np.where(self.gpu, self.vram_cap - k * self.vram_window - self.vram_head, -1)
 
     @property
+    def stream_share(self) -> float:
+        """The share of a layer's bytes (with its KV cache) that a token reads: 1 for a dense layer; for a mixture
+        of experts, the rest of the layer and the share of its routed experts the token chooses. Bytes that do not
+        fit are re-read at this share each token (a node reads only the chosen experts: memory/experts.py), and a
+        CPU layer's weights are read into registers at it."""
+        if not self.expert_bytes or not self.expert_share or not self.layer_kv_bytes:
+            return 1.0
+        return 1.0 - self.expert_bytes * (1.0 - self.expert_share) / self.layer_kv_bytes
+
+    @property
     def alpha(self) -> np.ndarray:
         """alpha_m: seconds per layer on the CPU (compute, KV copy, register loads)."""
         return self.t_cpu + self.m_cpu
@@ -146,6 +156,8 @@ def platform(
     if not devices:
         raise ValueError("no devices to plan for")
     bp = model.layer_bytes_with_kv
+    # a mixture of experts' token reads its routed experts' share only
+    bp_token = bp - model.layer_expert_bytes * (1.0 - model.expert_token_share) if model.expert_token_share else bp
     kv = model.kv_bytes_per_token_layer
     hidden = model.hidden_bytes
     lookup = -(-model.input_bytes // max(model.n_vocab, 1))  # one embedding row, rounded up to whole bytes
@@ -171,8 +183,8 @@ def platform(
         gpu_rates = {q: r for q, r in d.gpu_flops.items() if r > 0}
         t_gpu.append(sum(f / gpu_rates[q] if q in gpu_rates else _flops_time({q: f}, d.cpu_flops, d.name, "CPU")
                          for q, f in model.layer_flops.items() if f > 0) if gpu[i] else tc)
-        m_cpu.append(_per(kv, d.kv_copy_cpu_bps) + _per(bp, d.cpu_read_bps))
-        m_gpu.append(_per(kv, d.kv_copy_gpu_bps) + _per(bp, d.gpu_read_bps))
+        m_cpu.append(_per(kv, d.kv_copy_cpu_bps) + _per(bp_token, d.cpu_read_bps))
+        m_gpu.append(_per(kv, d.kv_copy_gpu_bps) + _per(bp_token, d.gpu_read_bps))
         has_copy = gpu[i] and not d.unified_memory
         copy.append(_per(hidden, d.h2d_bps, d.copy_latency_s) + _per(hidden, d.d2h_bps, d.copy_latency_s)
                     if has_copy else 0.0)
@@ -252,7 +264,7 @@ def predict(p: Platform, k: int, w: np.ndarray | Sequence[int], n: np.ndarray | 
     metal = p.kind == MACOS_METAL
     # Metal keeps pages until memory runs out, then re-reads the whole share each token (Eq. 16); the others
     # re-read only what does not fit (Eqs. 15, 17)
-    spilled = np.where(metal, k * w * p.layer_bytes + p.head * p.head_extra, need - p.ram_cap)
+    spilled = np.where(metal, k * w * p.layer_bytes + p.head * p.head_extra, (need - p.ram_cap) * p.stream_share)
     disk_bytes = np.where(overflows, spilled, 0)
     # the head reads its token's input row from disk each token, or more when it overflows (the max in Eq. 15-17)
     read = np.maximum(disk_bytes, head * p.lookup_bytes)
@@ -294,12 +306,13 @@ def set_coefficients(p: Platform, sets: np.ndarray, k: int) -> tuple[np.ndarray,
     """Section 2.5: a (per window layer), b (per GPU layer), c (per window) and the constant kappa, so that for a
     placement consistent with `sets` the time per token is k (a.w + b.n + sum c) + kappa."""
     s = np.where(p.disk_bps > 0, p.disk_bps, np.inf)
-    per_kv = p.layer_kv_bytes / s
+    share = p.stream_share  # of what spills, a token re-reads this much (M1, M3; Metal's M2 re-reads all)
+    per_kv = share * p.layer_kv_bytes / s
     alpha, beta = p.alpha, p.beta
     a = alpha + np.select([sets == M1, sets == M2, sets == M3], [per_kv, p.layer_bytes / s, per_kv], 0.0)
     b = np.select([sets == M1, sets == M3], [0.0, beta - per_kv], beta)
     spill_const = np.select([(sets == M1) | (sets == M3), sets == M2],
-                            [(p.ram_fixed(k) - p.ram_cap) / s, p.head * p.head_extra / s], 0.0)
+                            [share * (p.ram_fixed(k) - p.ram_cap) / s, p.head * p.head_extra / s], 0.0)
     head_lookup = p.lookup_bytes / s[0] if sets[0] == M4 else 0.0
     kappa = p.t_out + p.m_head + float(spill_const.sum()) + head_lookup
     return a, b, p.xi.copy(), kappa

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from primaplug.core.profiles import ExpertBytes
 from primaplug.core.windows import LayerRange, check_cover, execution_order, ring_windows
 from primaplug.decoding import SpeculationEstimate
 from primaplug.scheduler.latency import SET_NAMES, DeviceSet, Platform, assign_sets, predict
@@ -58,6 +59,7 @@ class Plan:
     dropped: tuple[DroppedDevice, ...] = ()
     latency_model: str = "paper"  # "paper": Eq. 11, the sum over devices; "ring": scheduler/ring.py
     speculation: SpeculationEstimate | None = None  # with a draft on the head: whether drafting pays here
+    experts: ExpertBytes | None = None  # a mixture of experts' layer as the plan priced it
 
     @property
     def head(self) -> DevicePlan:
@@ -193,5 +195,6 @@ def build_plan(
         )
         for i in range(m)
     )
+    experts = ExpertBytes(p.layer_bytes, p.expert_bytes, p.expert_share) if p.expert_bytes else None
     return Plan(scheduler=scheduler, k=k, n_layer=p.n_layer, devices=devices, dropped=tuple(dropped),
-                latency_model=latency_model)
+                latency_model=latency_model, experts=experts)

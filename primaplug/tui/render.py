@@ -138,6 +138,8 @@ def plan_summary(plan: Plan) -> Text:
     if plan.latency_model == "ring":
         out.append(f" (the token's path {_ms(plan.chain_s)} ms; the busiest device's own time, disk reads "
                    "overlapping the others)")
+    if plan.experts is not None:
+        out.append("\n" + plan.experts.describe())
     if plan.speculation is not None:
         out.append("\n" + plan.speculation.describe(), style="green" if plan.speculation.pays else "yellow")
     return out
