@@ -12,6 +12,7 @@ import pytest
 SYNTHETIC = [
     ("llama", 9, "Q4_K_M"),
     ("llama", 7, "Q8_0"),
+    ("llama4", 7, "Q4_K_M"),  # experts every second layer (one a token) beside a shared one, chunked attention
     ("qwen2", 7, "Q4_K_M"),
     ("qwen2", 9, "Q8_0"),
     ("qwen3", 9, "Q4_K_M"),
@@ -27,6 +28,7 @@ SYNTHETIC = [
     ("gemma4", 7, "Q4_K_M"),  # global layers with wider heads and keys as values; a dense MLP beside routed experts
     ("olmo2", 7, "Q8_0"),  # norms after attention and FFN only
     ("phi3", 7, "Q8_0"),  # fused QKV and gate-up projections
+    ("lfm2", 7, "Q8_0"),  # short convolutions (recurrent state) with attention every third layer, tied lm_head
 ]
 
 
@@ -53,7 +55,7 @@ COMPUTE_BOUND = {
 # Architectures whose every split runs in the slow rung: `make test` runs each one's split with the output layer on the
 # head (test_windows_match_llama: a window from layer 0, one past it and the output-only window, which is all the
 # window code a graph has), its streamed windows (test_exact_windows) and one device's windows on one context.
-SPLITS_IN_SLOW_RUNG = {"gpt-oss", "glm4moe", "gemma2", "olmo2", "phi3", "qwen35moe", "gemma4"}
+SPLITS_IN_SLOW_RUNG = {"gpt-oss", "glm4moe", "gemma2", "olmo2", "phi3", "qwen35moe", "gemma4", "llama4", "lfm2"}
 FAST_SPLIT = "output-on-head"
 
 

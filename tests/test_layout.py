@@ -55,6 +55,13 @@ def test_hybrid_and_gemma4_layouts(model_dir) -> None:
     assert g.head_dims(0) == (64, 64) and g.head_dims(2) == (128, 128)
     assert g.kv_bytes_per_token(0) == 2 * 128 * 2 and g.kv_bytes_per_token(2) == 1 * 256 * 2
     assert g.supports_windows and g.positions_per_row == 1
+    lfm2 = read_layout(synthetic_path(model_dir, "lfm2", 7, "Q8_0"))  # convolutions: the layers with no KV head
+    assert lfm2.recurrent_layers == tuple((il + 1) % 3 != 0 for il in range(7)) and lfm2.has_recurrent_layers
+    assert lfm2.recurrent_state_bytes == 4 * 256 * 2 and lfm2.positions_per_row == 1
+    assert [t.name for t in lfm2.output_tensors] == ["token_embd_norm.weight", "token_embd.weight"]
+    llama4 = read_layout(synthetic_path(model_dir, "llama4", 7, "Q4_K_M"))  # chunks of 8192, three of four layers
+    assert llama4.sliding_window == 8192 and llama4.swa_layers == (True, True, True, False, True, True, True)
+    assert [bool(llama4.expert_slices(il)) for il in range(7)] == [il % 2 == 1 for il in range(7)]
 
 
 def test_gemma4_with_per_layer_embeddings_is_refused_saying_why(tmp_path) -> None:

@@ -32,7 +32,9 @@ def models(model_dir: Path, gemma_path: Path) -> dict[str, Path]:
             "phi3_7": synthetic_path(model_dir, "phi3", 7, "Q8_0"),
             "qwen35_7": synthetic_path(model_dir, "qwen35", 7, "Q8_0"),
             "qwen35moe_7": synthetic_path(model_dir, "qwen35moe", 7, "Q4_K_M"),
-            "gemma4_7": synthetic_path(model_dir, "gemma4", 7, "Q4_K_M")}
+            "gemma4_7": synthetic_path(model_dir, "gemma4", 7, "Q4_K_M"),
+            "llama4_7": synthetic_path(model_dir, "llama4", 7, "Q4_K_M"),
+            "lfm2_7": synthetic_path(model_dir, "lfm2", 7, "Q8_0")}
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +81,8 @@ CASES = [  # model, layers per round (node, node, node[, head]) or None for an e
     ("qwen35_7", (3, 1, 2, 1), 1),  # recurrent layers, one on the head
     ("qwen35moe_7", (2, 3, 1, 1), 1),
     ("gemma4_7", (2, 2, 2, 1), 1),  # the head holding a global layer
+    ("llama4_7", (1, 2, 3, 1), 1),
+    ("lfm2_7", (2, 1, 3, 1), 1),  # a node holding one attention layer alone
 ]
 
 

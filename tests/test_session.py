@@ -296,3 +296,41 @@ def test_nodes_of_one_name_are_told_apart(model: Path, nodes: InprocNodes) -> No
                                                                for v in llm.events.view.nodes.values())
     finally:
         llm.close()
+
+
+def test_a_replay_rebuilds_recurrent_states_on_a_new_ring(model_dir: Path) -> None:
+    """Qwen 3.5's delta-net layers keep a state per sequence on the node that runs them: a replay onto a new ring
+    (the decoded tokens joined into one batch) rebuilds them, and the next token's logits are plain
+    llama-cpp-python's after the same steps one by one."""
+    import llama_cpp
+
+    from primaplug.head import Cluster, ClusterSettings
+    from primaplug.head.batching import Batcher
+
+    path = synthetic_path(model_dir, "qwen35", 7, "Q8_0")
+    prompt, decoded = _prompt(40, seed=2), [5, 9, 13, 21, 34]
+    plain = llama_cpp.Llama(str(path), **KWARGS)
+    with InprocNodes([path], 4) as nodes:
+        llm = _ring(path, nodes, layers=[3, 4])
+        settings = ClusterSettings(nodes=tuple(nodes.addresses[2:]), layers=(4, 3), n_ctx=KWARGS["n_ctx"],
+                                   n_batch=KWARGS["n_batch"], n_ubatch=KWARGS["n_ubatch"], n_threads=1,
+                                   timeout_s=1.0)
+        other = Cluster(nodes.head_transport(), settings, llm.cluster.model, llm.events)
+        batcher = None
+        try:
+            llm.eval(prompt)
+            for t in decoded:
+                llm.eval([t])
+            other.connect()
+            other.plan()
+            other.deploy()
+            batcher = Batcher(other.ring(None), llm._batcher.output, n_batch=KWARGS["n_batch"])
+            llm.session.replay(batcher)
+            llm.eval([55])
+            _close(llm.scores[len(prompt) + len(decoded)], _plain_row(plain, prompt, *[[t] for t in decoded], [55]))
+        finally:
+            if batcher is not None:
+                batcher.close()
+            other.close()
+            llm.close()
+            plain.close()

@@ -186,10 +186,9 @@ def test_after_a_failure_a_call_that_goes_another_way_rebuilds_only_what_it_keep
     assert ring.calls == [("remove", 0), ("forward", 0, 4), ("forward", 2, 2)]
 
 
-def test_a_session_on_recurrent_layers_clears_or_goes_on_and_replays_batches_as_they_went() -> None:
+def test_a_session_on_recurrent_layers_only_clears_or_goes_on() -> None:
     """Recurrent layers cannot forget part of a conversation: a rewind into it is refused saying what to do (the
-    ring's llama-cpp-python front then evaluates anew), and a replay sends every batch as it went, since a recurrent
-    layer computes rows in a batch differently from the same rows one by one."""
+    ring's llama-cpp-python front then evaluates anew) and changes nothing; a clear, a replay and going on work."""
     from primaplug.core.errors import RecurrentRewindError
 
     ring = FakeRing()
@@ -204,6 +203,6 @@ def test_a_session_on_recurrent_layers_clears_or_goes_on_and_replays_batches_as_
     new = FakeRing(epoch=8)
     session.replay(new)  # type: ignore[arg-type]
     assert new.held == list(range(24))
-    assert new.calls == [("remove", 0), ("forward", 0, 20)] + [("forward", i, 1) for i in range(20, 24)]
+    assert new.calls == [("remove", 0), ("forward", 0, 20), ("forward", 20, 4)]
     session.eval([5, 6], 0)  # a rewind to the start clears, then evaluates anew
     assert new.held == [5, 6]

@@ -29,18 +29,22 @@ from primaplug.core.windows import LayerRange
 
 # Architectures whose graphs the patch (patches/0001) can split into windows; must match
 # llama_window_supported_archs() in the engine (a test checks it).
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "gpt-oss", "glm4moe", "mistral3",
-                   "granite", "gemma3", "gemma2", "gemma4", "olmo2", "phi3")
+SUPPORTED_ARCHS = ("llama", "llama4", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "gpt-oss", "glm4moe",
+                   "mistral3", "granite", "gemma3", "gemma2", "gemma4", "olmo2", "phi3", "lfm2")
 # Architectures with recurrent layers (gated delta-net) beside attention, each layer marked in the file or full
 # attention every `full_attention_interval`-th layer (llama.cpp's default for them: 4); they rotate positions with
-# M-RoPE, which takes four positions per hidden-state row
+# M-RoPE, which takes four positions per hidden-state row. LFM2's recurrent layers are short convolutions, the
+# layers with no KV head.
 _HYBRID_ARCHS = ("qwen35", "qwen35moe")
 
 # ggml types that llama.cpp's CPU backend can repack for faster kernels (ggml-cpu/repack.cpp; engine/repacked.py)
 REPACKABLE = frozenset({"Q1_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q8_0", "IQ4_NL", "MXFP4"})
 # Sliding-window layers where the file has no per-layer pattern: Gemma 3 alternates five with one global layer
-# (llama.cpp: load_swa_pattern(ml, 6)), gpt-oss and Gemma 2 one with one, OLMo 2's sliding variants three with one.
-_SWA_PATTERN = {"gemma3": 6, "gpt-oss": 2, "gemma2": 2, "olmo2": 4}
+# (llama.cpp: load_swa_pattern(ml, 6)), gpt-oss and Gemma 2 one with one, OLMo 2's sliding variants and Llama 4's
+# chunked layers three with one.
+_SWA_PATTERN = {"gemma3": 6, "gpt-oss": 2, "gemma2": 2, "olmo2": 4, "llama4": 4}
+# Llama 4's chunked attention: llama.cpp uses chunks of 8192 whatever the file says, unless it says 0 (none)
+_LLAMA4_CHUNK = 8192
 
 _SCALAR = {
     GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
@@ -155,7 +159,8 @@ class ModelLayout:
     def output_tensors(self) -> tuple[TensorSpan, ...]:
         """What the output layer reads: the output norm and the lm_head (the token embedding when tied)."""
         head = self.tensor("output.weight") or self.tensor("token_embd.weight")
-        return tuple(t for t in (self.tensor("output_norm.weight"), head) if t)
+        norm = self.tensor("output_norm.weight") or self.tensor("token_embd_norm.weight")  # LFM2 names it so
+        return tuple(t for t in (norm, head) if t)
 
     @property
     def output_tied(self) -> bool:
@@ -390,6 +395,8 @@ def _layout(
         n_vocab = embd.shape[1]
     swa_k, swa_v = kv.get(f"{arch}.attention.key_length_swa"), kv.get(f"{arch}.attention.value_length_swa")
     sliding = kv.get(f"{arch}.attention.sliding_window")
+    if arch == "llama4" and sliding != 0:
+        sliding = _LLAMA4_CHUNK
     pattern = _SWA_PATTERN.get(arch)
     given = kv.get(f"{arch}.attention.sliding_window_pattern")
     if isinstance(given, list) and len(given) >= n_layer:
@@ -414,6 +421,12 @@ def _layout(
 def _recurrence(arch: str, kv: dict[str, Any], n_layer: int) -> dict[str, Any]:
     """Which layers are recurrent, and what a sequence's state takes in each (llama.cpp's qwen35.cpp and
     llama_hparams::n_embd_r/n_embd_s, F32)."""
+    if arch == "lfm2":  # a convolution's last l_cache - 1 inputs, F32
+        heads = kv.get("lfm2.attention.head_count_kv")
+        recurrent = tuple(int(h) == 0 for h in heads[:n_layer]) if isinstance(heads, list) else (False,) * n_layer
+        n_embd = int(kv.get("lfm2.embedding_length") or 0)
+        state = 4 * n_embd * max(0, int(kv.get("lfm2.shortconv.l_cache") or 0) - 1)
+        return {"recurrent_layers": recurrent, "recurrent_state_bytes": state}
     if arch not in _HYBRID_ARCHS:
         return {}
     marked = kv.get(f"{arch}.attention.recurrent_layers")

@@ -21,9 +21,9 @@ from primaplug.core.errors import EngineError, ModelFormatError
 # llama_ftype values of llama.h (MXFP4_MOE: experts in MXFP4, as gpt-oss ships; the rest Q8_0)
 FTYPES = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K_M": 15, "Q4_K_S": 14, "Q5_K_M": 17, "Q6_K": 18, "MXFP4_MOE": 38}
 # each written with its real tensor names, shapes and hyper-parameters (llama.cpp's src/models/<arch>.cpp)
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "gpt-oss", "glm4moe", "mistral3", "granite",
-         "gemma2", "gemma4", "olmo2", "phi3")
-MOE_ARCHS = ("qwen3moe", "qwen35moe", "gpt-oss", "glm4moe", "gemma4")
+ARCHS = ("llama", "llama4", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "gpt-oss", "glm4moe", "mistral3",
+         "granite", "gemma2", "gemma4", "olmo2", "phi3", "lfm2")
+MOE_ARCHS = ("llama4", "qwen3moe", "qwen35moe", "gpt-oss", "glm4moe", "gemma4")
 # gated delta-net layers (recurrent state) with full attention every QWEN35_ATTENTION_INTERVAL-th layer (the real
 # models: every 4th; here every 3rd, so that 7 layers hold two attention layers)
 QWEN35_ARCHS = ("qwen35", "qwen35moe")
@@ -105,7 +105,11 @@ def _tensors(spec: SyntheticSpec,
         return lambda: (0.1 * rng.standard_normal(shape)).astype(np.float32)
 
     # scaled up so that logits spread widely and greedy choices are far from ties
-    yield "token_embd.weight", (spec.n_vocab, e), lambda: rng.standard_normal((spec.n_vocab, e)).astype(np.float32)
+    # (LFM2's small: its lm_head is its embedding and no post-norm scales its layers' outputs up, so a large one
+    # would outweigh them in the residual stream and every step would repeat its input token)
+    embd = 0.25 if spec.arch == "lfm2" else 1.0
+    yield "token_embd.weight", (spec.n_vocab, e), lambda: (embd * rng.standard_normal((spec.n_vocab, e))).astype(
+        np.float32)
     a = spec.arch
     for il in range(spec.n_blocks):
         p = f"blk.{il}."
@@ -114,6 +118,9 @@ def _tensors(spec: SyntheticSpec,
             continue
         if a in QWEN35_ARCHS:
             yield from _qwen35_layer(spec, il, mat, norm, bias, experts)
+            continue
+        if a == "lfm2":
+            yield from _lfm2_layer(spec, il, mat, norm)
             continue
         if a != "olmo2":  # olmo2 normalises after attention and FFN only
             yield p + "attn_norm.weight", (e,), norm(e)
@@ -140,7 +147,8 @@ def _tensors(spec: SyntheticSpec,
             yield p + "post_attention_norm.weight", (e,), norm(e)
         if a not in ("olmo2", "gpt-oss", "glm4moe"):
             yield p + "ffn_norm.weight", (e,), norm(e)
-        if a in MOE_ARCHS and not (a == "glm4moe" and il < spec.n_dense_lead):
+        if a in MOE_ARCHS and not (a == "glm4moe" and il < spec.n_dense_lead) and not (
+                a == "llama4" and not llama4_moe(il)):
             yield from _moe_ffn(spec, p, mat, experts, bias)
         elif a == "phi3":  # gate and up fused
             yield p + "ffn_up.weight", (2 * spec.n_ff, e), mat(2 * spec.n_ff, e)
@@ -155,12 +163,49 @@ def _tensors(spec: SyntheticSpec,
             yield p + "nextn.eh_proj.weight", (e, 2 * e), mat(e, 2 * e)
             for name in ("nextn.enorm.weight", "nextn.hnorm.weight", "nextn.shared_head_norm.weight"):
                 yield p + name, (e,), norm(e)
-    yield "output_norm.weight", (e,), norm(e)
-    if a not in ("gemma2", "gemma4"):  # their lm_head is their token embedding
+    yield ("token_embd_norm.weight" if a == "lfm2" else "output_norm.weight"), (e,), norm(e)  # lfm2's own name
+    if a not in ("gemma2", "gemma4", "lfm2"):  # their lm_head is their token embedding
         yield "output.weight", (spec.n_vocab, e), mat(spec.n_vocab, e, 4.0)
 
 
 Maker = Callable[[], np.ndarray]
+
+
+def llama4_moe(il: int) -> bool:
+    """Whether layer il of a synthetic Llama 4 is a mixture of experts (every second, as Maverick; Scout: all)."""
+    return (il + 1) % 2 == 0
+
+
+def lfm2_attention(il: int) -> bool:
+    """Whether layer il of a synthetic LFM2 is attention (else a short convolution): every third."""
+    return (il + 1) % 3 == 0
+
+
+_LFM2_CONV = 3  # the short convolution's kernel (shortconv.l_cache)
+
+
+def _lfm2_layer(spec: SyntheticSpec, il: int, mat: Callable[..., Maker],
+                norm: Callable[..., Maker]) -> Iterator[tuple[str, tuple[int, ...], Maker]]:
+    """An LFM2 block (llama.cpp's models/lfm2.cpp): a gated short convolution (its last inputs are the layer's
+    recurrent state) or attention with Q/K norms and no KV head in the others; then a dense FFN."""
+    e, p, hd = spec.n_embd, f"blk.{il}.", spec.n_embd // spec.n_head
+    yield p + "attn_norm.weight", (e,), norm(e)
+    if lfm2_attention(il):
+        kv = spec.n_head_kv * hd
+        yield p + "attn_q_norm.weight", (hd,), norm(hd)
+        yield p + "attn_k_norm.weight", (hd,), norm(hd)
+        yield p + "attn_q.weight", (e, e), mat(e, e)
+        yield p + "attn_k.weight", (kv, e), mat(kv, e)
+        yield p + "attn_v.weight", (kv, e), mat(kv, e)
+        yield p + "attn_output.weight", (e, e), mat(e, e)
+    else:
+        yield p + "shortconv.conv.weight", (e, _LFM2_CONV), mat(e, _LFM2_CONV)
+        yield p + "shortconv.in_proj.weight", (3 * e, e), mat(3 * e, e)
+        yield p + "shortconv.out_proj.weight", (e, e), mat(e, e)
+    yield p + "ffn_norm.weight", (e,), norm(e)
+    yield p + "ffn_gate.weight", (spec.n_ff, e), mat(spec.n_ff, e)
+    yield p + "ffn_up.weight", (spec.n_ff, e), mat(spec.n_ff, e)
+    yield p + "ffn_down.weight", (e, spec.n_ff), mat(e, spec.n_ff)
 
 
 def qwen35_recurrent(il: int) -> bool:
@@ -282,7 +327,7 @@ def _moe_ffn(spec: SyntheticSpec, p: str, mat: Callable[..., Maker], experts: Ca
         yield p + "ffn_gate_exps.bias", (x, f), bias(x, f)
         yield p + "ffn_up_exps.bias", (x, f), bias(x, f)
         yield p + "ffn_down_exps.bias", (x, e), bias(x, e)
-    if spec.arch == "glm4moe":
+    if spec.arch in ("glm4moe", "llama4"):
         s = f * spec.n_expert_shared
         yield p + "ffn_gate_shexp.weight", (s, e), mat(s, e)
         yield p + "ffn_up_shexp.weight", (s, e), mat(s, e)
@@ -321,6 +366,9 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
         w.add_embedding_length_per_layer_input(0)  # no per-layer token embeddings (E2B, E4B): windows refuse them
         w.add_final_logit_softcapping(100.0)  # far from saturation: no near-ties at the cap
         w.add_rope_freq_base_swa(10000.0)
+    elif spec.arch == "lfm2":  # no KV head where a layer is a convolution: that is how llama.cpp tells them apart
+        w.add_head_count_kv([spec.n_head_kv if lfm2_attention(il) else 0 for il in range(spec.n_layer)])
+        w.add_uint32("lfm2.shortconv.l_cache", _LFM2_CONV)
     else:
         w.add_head_count_kv(spec.n_head_kv)
         w.add_key_length(hd)
@@ -360,6 +408,8 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
         w.add_ssm_group_count(_DELTA_K_HEADS)
     if spec.arch == "qwen35moe":
         w.add_expert_shared_feed_forward_length(spec.n_ff_exp)
+    if spec.arch == "llama4":  # experts every second layer beside a shared one, sigmoid routing; chunked attention
+        w.add_uint32("llama4.interleave_moe_layer_step", 2)
     if spec.arch == "gemma2":  # soft-capped attention scores and logits
         w.add_attn_logit_softcapping(50.0)
         w.add_final_logit_softcapping(30.0)
@@ -377,9 +427,9 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
 
     def np_dtype(name: str, shape: tuple[int, ...]) -> type:
         # biases stay F32 however many dimensions they have (gpt-oss's expert biases are 2-D): ggml adds only F32;
-        # so does the delta-net's convolution kernel, which ggml computes in F32 only
+        # so do the delta-net's and LFM2's convolution kernels, which ggml computes in F32 only
         return (np.float16 if dtype == "F16" and len(shape) >= 2 and name.endswith(".weight")
-                and "ssm_conv1d" not in name else np.float32)
+                and "ssm_conv1d" not in name and "shortconv.conv" not in name else np.float32)
 
     tensors = list(_tensors(spec, rng))
     total = 0

@@ -92,10 +92,10 @@ def coalesce(batches: Sequence[tuple[int, list[int]]]) -> list[tuple[int, list[i
 
 
 class Session:
-    """`rewindable` False: the model has recurrent layers (gated delta-net), whose state cannot forget positions. A
-    rewind may then only clear the conversation (llama-cpp-python re-evaluates the prompt then, as it does on such a
-    model alone), and a replay sends the prefix in exactly the batches it went in: a recurrent layer computes a
-    batch of rows in chunks, and the same rows one by one round differently."""
+    """`rewindable` False: the model has recurrent layers (gated delta-net, short convolutions), whose state cannot
+    forget positions. A rewind may then only clear the conversation (llama-cpp-python evaluates the prompt anew then,
+    as it does on such a model alone). A replay joins small batches as for any model: their layers compute each
+    row of up to EXACT_BATCH_ROWS as alone too (the logits bit for bit, LOG.md)."""
 
     def __init__(self, ring: Ring, *, n_batch: int, events: Events | None = None, seq_id: int = 0,
                  reform: Reform | None = None, rewindable: bool = True) -> None:
@@ -189,7 +189,7 @@ class Session:
             with self._call():
                 self._stale = False
                 self.clear()
-                for p, batch in coalesce(batches) if self.rewindable else batches:
+                for p, batch in coalesce(batches):
                     self.eval(batch, p)
                 self.rewind(len(prefix))
         except BaseException:
