@@ -7,8 +7,9 @@ Four emulated devices (the prima.cpp paper's D1-D4, memory and disk speed divide
 real `primaplug node` in its own cgroup (memory cap, disk read cap) with its own copy of a synthetic llama model
 at least 1.5x the sum of the caps, joined by emulated Wi-Fi links (3-7 ms). In one run:
 - plain llama-cpp-python on one device capped like the largest node (the paper's llama.cpp baseline);
-- the ring with k = 1 and with the best k >= 2, each with prefetch and release, without prefetch, without
-  release, without both, and streaming layer by layer (--layer-streaming); the windows for each k chosen by
+- the ring with k = 1 and with the best k >= 2, each with prefetch and release (the default: whole windows, or layer
+  by layer where a whole window would fault much of itself in), without prefetch, without release, without both,
+  and with whole windows always (--layer-streaming=off); the windows for each k chosen by
   the ring's latency model (scheduler/ring.py) from the devices' caps, disk and CPU shares and links (a device
   may be a relay), the head (this process, uncapped) running only the output layer (--split hand: memory
   first, the rest by disk speed, every device at least one layer per round, as before session 4);
@@ -43,9 +44,11 @@ from benchmarks.testbed.timing import time_greedy  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 CACHE = Path.home() / ".cache" / "primaplug" / "bench"
+# "prefetch+release" is the default: whole windows, or layer by layer where a whole window would fault much of
+# itself in (--layer-streaming auto); "whole windows" never goes layer by layer
 VARIANTS = {"prefetch+release": [], "no prefetch": ["--no-prefetch"], "no release": ["--no-release"],
             "neither": ["--no-prefetch", "--no-release"],
-            "layer streaming": ["--layer-streaming"]}  # a window that does not fit, layer by layer
+            "whole windows": ["--layer-streaming=off"]}
 ALL_OFF = ["--no-prefetch", "--no-release", "--no-keep"]
 
 
@@ -312,9 +315,10 @@ def main() -> int:
             tpot(f"k={best} no prefetch") / tpot(f"k={best} prefetch+release"),
         "prefetch vs no prefetch at k=1": tpot("k=1 no prefetch") / tpot("k=1 prefetch+release"),
         "release vs no release at k=best": tpot(f"k={best} no release") / tpot(f"k={best} prefetch+release"),
-        "layer streaming vs whole windows at k=1": tpot("k=1 prefetch+release") / tpot("k=1 layer streaming"),
-        f"layer streaming vs whole windows at k={best}":
-            tpot(f"k={best} prefetch+release") / tpot(f"k={best} layer streaming"),
+        "default (auto layer streaming) vs whole windows at k=1":
+            tpot("k=1 whole windows") / tpot("k=1 prefetch+release"),
+        f"default (auto layer streaming) vs whole windows at k={best}":
+            tpot(f"k={best} whole windows") / tpot(f"k={best} prefetch+release"),
         "fits: policy on vs off, median TPOT (target within 3%)":
             statistics.median(fit["on"]) / statistics.median(fit["off"]),
     }

@@ -121,3 +121,18 @@ def test_layer_by_layer_keeps_room_for_the_slots_asked() -> None:
     three = plan_prefetch(layers, 32 * MiB, unit="layer", slots=3)
     assert three.keep_fraction < two.keep_fraction
     assert three.keep_bytes + 3 * max(three.stream_bytes) <= 32 * MiB
+
+
+def test_a_node_goes_layer_by_layer_by_itself_only_where_whole_windows_would_fault_in() -> None:
+    """--layer-streaming auto (the default): where a whole window's prefetch leaves more than READ_AHEAD_SLACK of it
+    to fault in page by page (the window is larger than its room), layer by layer; where the windows' streamed
+    parts fit their prefetch room, whole windows, which were faster there (docs/memory.md)."""
+    from primaplug.device.memory import faults_in
+    from primaplug.memory.prefetcher import READ_AHEAD_SLACK
+
+    big = [[(il * 32 * MiB, 32 * MiB) for il in range(w * 2, w * 2 + 2)] for w in range(3)]  # 64 MiB windows
+    tight = plan_prefetch(big, 40 * MiB)  # less than a window: most of it would fault in
+    assert tight.unprefetched_bytes(0) > READ_AHEAD_SLACK and faults_in(tight)
+    roomy = plan_prefetch(big, 160 * MiB)  # two streamed windows fit beside the kept part
+    assert roomy.mode == "stream" and not faults_in(roomy)
+    assert not faults_in(plan_prefetch(big, 200 * MiB))  # all resident

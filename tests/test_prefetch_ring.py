@@ -131,9 +131,10 @@ def _settled(read, timeout_s: float = 5.0):  # noqa: ANN001, ANN202
 
 
 def test_streaming_layer_by_layer_releases_what_its_plan_streams(streaming_model: Path, tmp_path: Path) -> None:
-    """A window larger than the budget: whole-window streaming re-reads all of it every token; layer by layer, each
-    layer is released as soon as it is done and no more than the plan streams is released (the plan leaves room
-    for a window's layers ahead, and keeps a part of every layer only where the budget holds more). Same tokens."""
+    """A window larger than the budget: whole-window streaming (--layer-streaming=off) re-reads all of it every
+    token; layer by layer (what a node chooses by itself here), each layer is released as soon as it is done and no
+    more than the plan streams is released (the plan leaves room for a window's layers ahead, and keeps a part of
+    every layer only where the budget holds more). Same tokens."""
     from primaplug.core import LayerRange
     from primaplug.engine import read_layout
     from primaplug.memory.policy import plan_prefetch
@@ -146,8 +147,8 @@ def test_streaming_layer_by_layer_releases_what_its_plan_streams(streaming_model
                               budget_mib * MiB, unit="layer", slots=window.n_layers + 1)  # as device/memory.py
 
     budget = ["--memory-budget", str(budget_mib)]
-    whole_tokens, whole = _released_per_token(streaming_model, tmp_path / "a", budget)
-    layer_tokens, layered = _released_per_token(streaming_model, tmp_path / "b", [*budget, "--layer-streaming"])
+    whole_tokens, whole = _released_per_token(streaming_model, tmp_path / "a", [*budget, "--layer-streaming=off"])
+    layer_tokens, layered = _released_per_token(streaming_model, tmp_path / "b", budget)  # auto: layer by layer
     assert layer_tokens == whole_tokens
     for w, s in zip(whole, layered, strict=True):
         assert w >= 0.9 * window_bytes, "whole windows: all of it released, and re-read, every token"

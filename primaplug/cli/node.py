@@ -42,9 +42,10 @@ def add_parser(sub: Any) -> None:
     node.add_argument("--no-prefetch", action="store_true", help="do not page windows in ahead of compute")
     node.add_argument("--no-release", action="store_true", help="do not drop a streamed window after it ran")
     node.add_argument("--no-keep", action="store_true", help="keep no part of streamed layers resident")
-    node.add_argument("--layer-streaming", action="store_true",
-                      help="stream a window that does not fit layer by layer, keeping part of every layer and "
-                      "prefetching as many layers ahead as fit (docs/memory.md)")
+    node.add_argument("--layer-streaming", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
+                      help="stream windows layer by layer, keeping part of every layer and prefetching as many "
+                      "layers ahead as fit: on, off (whole windows), or auto (the default: layer by layer where a "
+                      "whole window would fault much of itself in page by page; docs/memory.md)")
     node.add_argument("--whole-experts", action="store_true",
                       help="stream a mixture of experts' layers whole, every expert included, instead of reading "
                       "only the experts its tokens choose (for comparisons: docs/memory.md)")
@@ -89,7 +90,8 @@ def main(args: argparse.Namespace) -> int:
     memory = MemorySettings(
         budget_bytes=args.memory_budget << 20 if args.memory_budget is not None else None,
         switches=Switches(prefetch=not args.no_prefetch, release=not args.no_release, keep=not args.no_keep,
-                          layers=args.layer_streaming, experts=not args.whole_experts))
+                          layers={"on": True, "off": False}.get(args.layer_streaming),
+                          experts=not args.whole_experts))
     settings = NodeSettings(models=tuple(Path(m) for m in args.model), host=host, port=port,
                             name=args.name or platform.node(), secure=keys is not None, memory=memory,
                             profile_dir=Path(args.profile_dir) if args.profile_dir else None,

@@ -11,7 +11,7 @@ from primaplug.core.errors import WindowRangeError
 from primaplug.core.windows import LayerRange
 from primaplug.engine import ModelLayout
 from primaplug.memory.policy import PrefetchPlan, plan_prefetch
-from primaplug.memory.prefetcher import Switches
+from primaplug.memory.prefetcher import READ_AHEAD_SLACK, Switches
 from primaplug.memory.system import MemoryView, memory_view
 from primaplug.profiler.model import compute_buffer_layers_bytes
 
@@ -37,7 +37,7 @@ class ExpertPlan:
 @dataclass(frozen=True)
 class MemoryPlan:
     prefetch: PrefetchPlan  # whole windows, or layers when per_layer; without the routed experts when experts
-    per_layer: bool  # a streaming device going layer by layer (--layer-streaming)
+    per_layer: bool  # a streaming device going layer by layer (--layer-streaming, or where whole windows fault in)
     experts: ExpertPlan | None = None
 
     def describe(self) -> str:
@@ -95,7 +95,7 @@ def plan_memory(layout: ModelLayout, windows: list[LayerRange], *, n_ctx: int, n
     plan = plan_prefetch([layout.window_ranges(r) for r in windows], budget, keep=sw.keep)
     if plan.mode == "stream" and layout.n_expert and sw.experts:
         return _plan_experts(layout, windows, budget, keep=sw.keep)
-    per_layer = plan.mode == "stream" and sw.layers
+    per_layer = plan.mode == "stream" and (sw.layers if sw.layers is not None else faults_in(plan))
     if per_layer:  # one unit per layer (device/windows.py: PrefetchHooks)
         # room for a window's layers ahead beside the one computing: a device reads the next window while the
         # others compute, rather than only once its own has run
@@ -103,6 +103,13 @@ def plan_memory(layout: ModelLayout, windows: list[LayerRange], *, n_ctx: int, n
         plan = plan_prefetch([layout.window_ranges(LayerRange(il, il + 1)) for r in windows
                               for il in range(r.start, r.end)], budget, keep=sw.keep, unit="layer", slots=slots)
     return MemoryPlan(plan, per_layer)
+
+
+def faults_in(plan: PrefetchPlan) -> bool:
+    """Whether whole windows would leave more than READ_AHEAD_SLACK of some window to fault in as it computes:
+    page by page, at a fraction of the disk's rate (benchmarks/disk_reads.py), where layer by layer reads every
+    streamed byte ahead, whole and with read-ahead."""
+    return any(plan.unprefetched_bytes(i) > READ_AHEAD_SLACK for i in range(len(plan.stream)))
 
 
 def _plan_experts(layout: ModelLayout, windows: list[LayerRange], budget: int, *, keep: bool) -> MemoryPlan:

@@ -26,7 +26,9 @@ class Switches:
     prefetch: bool = True
     release: bool = True
     keep: bool = True
-    layers: bool = False  # a node that streams goes layer by layer (True) or whole windows (docs/memory.md: why off)
+    # a node that streams goes layer by layer (True), whole windows (False), or (None) layer by layer only where a
+    # whole window would leave more than READ_AHEAD_SLACK of itself to fault in page by page (docs/memory.md)
+    layers: bool | None = None
     experts: bool = True  # a streaming mixture of experts reads only the routed experts (memory/experts.py)
 
 
