@@ -28,12 +28,13 @@ Progress = Callable[[float, str], None]  # (fraction done, what the device is do
 class PrefetchHooks:
     """Where each round's window sits in the device's prefetch plan, and the events that drive the plan.
 
-    A device whose windows fit, or that streams whole windows (the default), has one unit per window: prefetched
-    before it runs, released after. With --layer-streaming a streaming device goes layer by layer: one unit per
-    layer, the window telling which layer it computes (engine/progress.py), so that each layer's streamed weights go
-    as soon as it is done and the next layer's come in while it computes. Memory then never holds more than the
-    plan says, which lets the kept part of every layer stay resident; streaming whole windows could keep nothing of
-    a window larger than the budget (the kernel evicted kept pages along with the streamed ones, docs/memory.md).
+    A device whose windows fit, or that streams whole windows, has one unit per window: prefetched before it runs,
+    released after. Layer by layer (where whole windows would fault in, or --layer-streaming on) a streaming device
+    has one unit per layer, the window telling which layer it computes (engine/progress.py), so that each layer's
+    streamed weights go as soon as it is done and the next layer's come in while it computes. Memory then never
+    holds more than the plan says, which lets the kept part of every layer stay resident; streaming whole windows
+    could keep nothing of a window larger than the budget (the kernel evicted kept pages along with the streamed
+    ones, docs/memory.md).
     """
 
     def __init__(self, cpu_ranges: Sequence[LayerRange], *, per_layer: bool) -> None:
@@ -157,6 +158,8 @@ class DeviceWindows:
     def memory_mode(self) -> str:
         """How the device's windows come into memory, for its status."""
         mode = self.prefetcher.mode if self.prefetcher is not None else "relay (no layers)"
+        if self.plan.per_layer:
+            mode = f"layer by layer, {mode}"
         if self.experts is None:
             return mode
         return f"routed experts read as tokens choose them, the rest of each layer {mode}"

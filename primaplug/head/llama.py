@@ -73,7 +73,8 @@ class Llama(RingLlama):
             A planning scheduler sees it as the head's available memory (PlanSettings.head_memory_bytes), so the
             plan puts on the nodes what the head does not hold.
         memory_switches: which parts of the memory policy the head's own windows use (prefetch, release, keep,
-            layer by layer), as a node's --no-prefetch, --no-release, --no-keep and --layer-streaming: ablations.
+            layer by layer: None lets the plan choose), as a node's --no-prefetch, --no-release, --no-keep and
+            --layer-streaming on|off: ablations.
         events: where the cluster and the session publish what they do (head/events.py); `llm.events.view` is the
             cluster's latest snapshot either way.
         transport: the transport to reach the nodes over (default: ZeroMQ, with `keys`); the caller keeps

@@ -107,8 +107,8 @@ def plan_prefetch(windows: Sequence[Sequence[tuple[int, int]]], budget_bytes: in
     (so the next can be prefetched while the current runs), or else for one. A single window that does not fit
     keeps nothing: keeping as much of it as the budget holds and letting the rest fault in was tried on the
     emulated cluster and ran 1.65x slower in a one-off run (docs/memory.md): the kernel cannot tell kept pages
-    from the streamed ones faulting in beside them and evicts both. With --layer-streaming a node plans such a
-    window layer by layer instead (node/deployment.py), releasing each layer as soon as it is done.
+    from the streamed ones faulting in beside them and evicts both. A node plans such a window layer by
+    layer instead (device/memory.py: faults_in), releasing each layer as soon as it is done.
     `slots`: the streamed units the kept fraction leaves room for, instead of two (or one).
     """
     # sizes in whole pages: the kernel keeps and drops whole pages, and a layer's tensors rarely start on one
