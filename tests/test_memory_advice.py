@@ -53,35 +53,3 @@ def test_prefetch_brings_in_the_range_and_no_more(tmp_path: Path, sequential: bo
     finally:
         mapping.close()
         os.close(fd)
-
-
-@pytest.mark.parametrize("tail", [True, False])
-def test_a_window_that_starts_reads_what_its_prefetch_left(tmp_path: Path, tail: bool) -> None:
-    """Windows of 16 MiB with room for 12: as window 1 starts, the 4 MiB its prefetch left are read in large
-    requests while it computes (Switches.tail), rather than left to fault in a page at a time; without the switch,
-    nothing of it comes in."""
-    from primaplug.memory.policy import plan_prefetch
-    from primaplug.memory.prefetcher import Prefetcher, Switches
-
-    path = tmp_path / "weights.bin"
-    with path.open("wb") as f:
-        f.write(os.urandom(48 * MIB))
-        f.flush()
-        os.fsync(f.fileno())
-    fd = os.open(path, os.O_RDONLY)
-    mapping = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
-    windows = [[(w * 16 * MIB, 8 * MIB), (w * 16 * MIB + 8 * MIB, 8 * MIB)] for w in range(3)]
-    plan = plan_prefetch(windows, 12 * MIB, keep=False)
-    prefetcher = Prefetcher(str(path), plan, Switches(tail=tail))
-    try:
-        assert prefetcher.wait_idle(10)  # window 0's prefetch, then out of the mapping and the page cache
-        prefetcher.advisor.release([(0, 48 * MIB)])
-        assert resident_bytes(path, [(0, 48 * MIB)]) < MIB, "the file stayed cached; cannot measure"
-        prefetcher.window_started(1)
-        assert prefetcher.wait_idle(10)
-        assert resident_bytes(path, plan.tail_ranges(1)) == (4 * MIB if tail else 0)
-        assert resident_bytes(path, plan.prefetch_ranges(1)) < MIB  # the prefetch itself comes after window 0
-    finally:
-        prefetcher.close()
-        mapping.close()
-        os.close(fd)

@@ -136,13 +136,3 @@ def test_a_node_goes_layer_by_layer_by_itself_only_where_whole_windows_would_fau
     roomy = plan_prefetch(big, 160 * MiB)  # two streamed windows fit beside the kept part
     assert roomy.mode == "stream" and not faults_in(roomy)
     assert not faults_in(plan_prefetch(big, 200 * MiB))  # all resident
-
-
-def test_the_tail_is_what_the_prefetch_leaves_of_a_window() -> None:
-    """A window a little larger than its prefetch room: the tail is the end of its streamed ranges the prefetch
-    leaves, so that the two together are the window's streamed part, nothing twice."""
-    plan = plan_prefetch(WINDOWS, 20 * MiB, keep=False)  # 16 MiB windows, room for one: all prefetched
-    assert plan.tail_ranges(0) == ()
-    tight = plan_prefetch(WINDOWS, 12 * MiB, keep=False)  # 12 MiB of each 16 MiB window prefetched
-    assert tight.prefetch_ranges(1) == ((16 * MiB, 8 * MiB), (24 * MiB, 4 * MiB))
-    assert tight.tail_ranges(1) == ((28 * MiB, 4 * MiB),) and tight.unprefetched_bytes(1) == 4 * MiB

@@ -42,9 +42,6 @@ def add_parser(sub: Any) -> None:
     node.add_argument("--no-prefetch", action="store_true", help="do not page windows in ahead of compute")
     node.add_argument("--no-release", action="store_true", help="do not drop a streamed window after it ran")
     node.add_argument("--no-keep", action="store_true", help="keep no part of streamed layers resident")
-    node.add_argument("--no-tail", action="store_true",
-                      help="let the little of a window its prefetch leaves fault in as it computes, instead of "
-                      "reading it as the window starts")
     node.add_argument("--layer-streaming", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                       help="stream windows layer by layer, keeping part of every layer and prefetching as many "
                       "layers ahead as fit: on, off (whole windows), or auto (the default: layer by layer where a "
@@ -93,7 +90,6 @@ def main(args: argparse.Namespace) -> int:
     memory = MemorySettings(
         budget_bytes=args.memory_budget << 20 if args.memory_budget is not None else None,
         switches=Switches(prefetch=not args.no_prefetch, release=not args.no_release, keep=not args.no_keep,
-                          tail=not args.no_tail,
                           layers={"on": True, "off": False}.get(args.layer_streaming),
                           experts=not args.whole_experts))
     settings = NodeSettings(models=tuple(Path(m) for m in args.model), host=host, port=port,

@@ -22,7 +22,7 @@ Ranges = tuple[tuple[int, int], ...]  # (offset, length) in the file
 
 @dataclass(frozen=True)
 class Action:
-    kind: Literal["prefetch", "release", "tail"]  # tail: what a window's prefetch left, read as it starts
+    kind: Literal["prefetch", "release"]
     window: int
 
 
@@ -64,19 +64,6 @@ class PrefetchPlan:
             if take > 0:
                 out.append((off, take))
             left -= take
-        return tuple(out)
-
-    def tail_ranges(self, window: int) -> Ranges:
-        """The part of the window's streamed ranges its prefetch leaves (their end): it faults in as the window
-        computes unless read otherwise."""
-        skip = sum(n for _, n in self.prefetch_ranges(window))
-        out = []
-        for off, n in self.stream[window]:
-            if skip >= n:
-                skip -= n
-                continue
-            out.append((off + skip, n - skip))
-            skip = 0
         return tuple(out)
 
     @property

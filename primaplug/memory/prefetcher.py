@@ -30,7 +30,6 @@ class Switches:
     # whole window would leave more than READ_AHEAD_SLACK of itself to fault in page by page (docs/memory.md)
     layers: bool | None = None
     experts: bool = True  # a streaming mixture of experts reads only the routed experts (memory/experts.py)
-    tail: bool = True  # what a window's prefetch leaves (at most READ_AHEAD_SLACK) is read as the window starts
 
 
 @dataclass
@@ -84,8 +83,6 @@ class Prefetcher:
             return self.plan.keep
         if action.kind == "prefetch":
             return self.plan.prefetch_ranges(action.window)
-        if action.kind == "tail":
-            return self.plan.tail_ranges(action.window)
         return self.plan.stream[action.window]
 
     def _read_ahead(self, window: int) -> bool:
@@ -101,9 +98,9 @@ class Prefetcher:
             if action is None:
                 return
             try:
-                if action.kind in ("prefetch", "tail"):
-                    self.stats.bytes_prefetched += self.advisor.prefetch(
-                        self._ranges(action), sequential=action.kind == "tail" or self._read_ahead(action.window))
+                if action.kind == "prefetch":
+                    self.stats.bytes_prefetched += self.advisor.prefetch(self._ranges(action),
+                                                                         sequential=self._read_ahead(action.window))
                 else:
                     self.stats.bytes_released += self.advisor.release(self._ranges(action))
             except OSError as e:
@@ -123,12 +120,6 @@ class Prefetcher:
 
     def window_started(self, i: int) -> None:
         self._faults_at_start = self._compute_faults()
-        # a little of the window left by its prefetch (its room a few MiB short: Halda's windows often are) is read
-        # now, in large requests, while the window computes its first layers; it would fault in a page at a time,
-        # at a fraction of the disk's rate (benchmarks/disk_reads.py)
-        left = self.plan.unprefetched_bytes(i)
-        if self.switches.prefetch and self.switches.tail and 0 < left <= READ_AHEAD_SLACK:
-            self._submit(Action("tail", i))
         for a in self.schedule.started(i):
             self._submit(a)
 
