@@ -52,12 +52,10 @@ VARIANTS = {"prefetch+release": [], "no prefetch": ["--no-prefetch"], "no releas
 ALL_OFF = ["--no-prefetch", "--no-release", "--no-keep"]
 
 
-def model_windows(devices: list[Device], model: Path, rounds: int) -> list[int]:
-    """Layers per round of each device, chosen by the ring's latency model from what the testbed gives the devices
-    (memory for the model, disk read cap, CPU share, link) and this machine's measured compute (its cached
-    profile). The head is this process, not capped: it plays a device with no memory and no disk, so it runs no
-    layer, only the output layer. A device may be left a relay (no layer) where that is faster, as Halda's
-    device selection would."""
+def ring_platform(devices: list[Device], model: Path) -> Any:
+    """The ring's latency model's constants for what the testbed gives the devices (memory for the model, disk read
+    cap, CPU share, link) and this machine's measured compute (its cached profile). The head is this process, not
+    capped: it plays a device with no memory and no disk, which runs only the output layer."""
     import os
 
     import msgspec
@@ -66,7 +64,6 @@ def model_windows(devices: list[Device], model: Path, rounds: int) -> list[int]:
     from primaplug.profiler.device import profile_device
     from primaplug.profiler.model import model_types, profile_model
     from primaplug.scheduler.latency import platform
-    from primaplug.scheduler.ring import best_placement
 
     mp = profile_model(read_layout(model), n_ctx=512, n_batch=64, n_ubatch=16)
     here = profile_device("this machine", model_types=model_types(mp))
@@ -81,10 +78,29 @@ def model_windows(devices: list[Device], model: Path, rounds: int) -> list[int]:
     head = device("head", 0, 0.0, cores, 1e-4, 1e10)
     nodes = [device(d.name, int(d.memory_mib * (1 << 20)), d.read_bps, d.cpus or cores, d.link_latency_ms / 1e3,
                     d.link_mbit * 1e6 / 8) for d in devices]
-    found = best_placement(platform([head, *nodes], mp, slow_disk_bps=0.0), rounds, relays=True)
+    return platform([head, *nodes], mp, slow_disk_bps=0.0)
+
+
+def model_windows(devices: list[Device], model: Path, rounds: int) -> list[int]:
+    """Layers per round of each device, chosen by the ring's latency model (ring_platform). A device may be left a
+    relay (no layer) where that is faster, as Halda's device selection would."""
+    from primaplug.scheduler.ring import best_placement
+
+    found = best_placement(ring_platform(devices, model), rounds, relays=True)
     if found is None:
         raise SystemExit(f"the ring's latency model found no placement with k = {rounds}")
     return list(found.w[1:])
+
+
+def predicted_tpot(devices: list[Device], model: Path, rounds: int, sizes: list[int]) -> float:
+    """What the ring's latency model predicts for these windows (the head running only the output layer)."""
+    import numpy as np
+
+    from primaplug.scheduler.ring import gpu_layers, predict_ring
+
+    p = ring_platform(devices, model)
+    w = np.array([[0, *sizes]])
+    return float(np.atleast_1d(predict_ring(p, rounds, w, gpu_layers(p, rounds, w)).total_s)[0])
 
 
 def memory_then_disk(devices: list[Device], layer_bytes: float, per_round: int, rounds: int) -> list[int]:
@@ -144,8 +160,10 @@ def ring_run(devices: list[Device], model: Path, work: Path, *, rounds: int, fla
         finally:
             llm.close()
         peaks = tb.peak_memory_bytes()
+    predicted = predicted_tpot(devices, model, rounds, sizes)
     return {
         "rounds": rounds, "layers_per_round": sizes, "flags": flags, "deploy_s": round(deployed, 2), **timed,
+        "predicted_tpot_s": round(predicted, 3), "measured_over_predicted": round(timed["tpot_s"] / predicted, 3),
         "device_bytes": [int(n * rounds * layer_bytes) for n in sizes],
         "nodes": [{"name": d.name, "memory_mode": s.memory_mode,
                    "major_faults_per_token": round(s.major_faults_per_token, 1),
@@ -170,7 +188,8 @@ def compute_rate(model: Path, threads: int, prompt: int) -> float:
 
 def _line(name: str, r: dict[str, Any]) -> None:
     nodes = " ".join(f"{n['major_faults_per_token']:.0f}f/{n['memory_pressure']:.1%}" for n in r.get("nodes", []))
-    print(f"  {name:<34} TTFT {r['ttft_s']:7.2f} s  TPOT {r['tpot_s']:7.2f} s  {nodes}", file=sys.stderr)
+    pred = f" (predicted {r['predicted_tpot_s']:.2f})" if "predicted_tpot_s" in r else ""
+    print(f"  {name:<34} TTFT {r['ttft_s']:7.2f} s  TPOT {r['tpot_s']:7.2f} s{pred}  {nodes}", file=sys.stderr)
 
 
 def chart(results: dict[str, Any], path: Path) -> None:
@@ -319,6 +338,9 @@ def main() -> int:
             tpot("k=1 whole windows") / tpot("k=1 prefetch+release"),
         f"default (auto layer streaming) vs whole windows at k={best}":
             tpot(f"k={best} whole windows") / tpot(f"k={best} prefetch+release"),
+        "the ring model's measured/predicted TPOT, worst over every k (target within 0.8-1.2)": max(
+            (r["measured_over_predicted"] for n, r in runs.items()
+             if n.startswith("k=") and n.endswith("prefetch+release")), key=lambda x: abs(x - 1)),
         "fits: policy on vs off, median TPOT (target within 3%)":
             statistics.median(fit["on"]) / statistics.median(fit["off"]),
     }
