@@ -70,8 +70,13 @@ class ExpertBytes(msgspec.Struct, frozen=True):
     token_share: float  # of the routed experts, the share one token uses (n_expert_used / n_expert)
 
     @property
+    def unused_bytes(self) -> float:
+        """Of a layer, the routed experts one token does not choose: what it neither computes on nor reads."""
+        return self.expert_bytes * (1.0 - self.token_share)
+
+    @property
     def token_bytes(self) -> int:
-        return round(self.layer_bytes - self.expert_bytes * (1.0 - self.token_share))
+        return round(self.layer_bytes - self.unused_bytes)
 
     @property
     def working_bytes(self) -> int:
@@ -127,7 +132,7 @@ class ModelProfile(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def experts(self) -> ExpertBytes | None:
         """A mixture of experts' layer three ways, or None for a dense model."""
-        if not self.layer_expert_bytes:
+        if not self.layer_expert_bytes or not self.expert_token_share:
             return None
         return ExpertBytes(self.layer_bytes, self.layer_expert_bytes, self.expert_token_share)
 

@@ -14,7 +14,7 @@ from typing import Literal
 
 import numpy as np
 
-from primaplug.core.profiles import DeviceProfile, ModelProfile
+from primaplug.core.profiles import DeviceProfile, ExpertBytes, ModelProfile
 
 DeviceSet = Literal["M1", "M2", "M3", "M4"]
 SET_NAMES: tuple[DeviceSet, ...] = ("M1", "M2", "M3", "M4")
@@ -100,14 +100,22 @@ class Platform:
         return np.where(self.gpu, self.vram_cap - k * self.vram_window - self.vram_head, -1)
 
     @property
+    def experts(self) -> ExpertBytes | None:
+        """A mixture of experts' layer three ways, or None for a dense model (ModelProfile.experts)."""
+        if not self.expert_bytes or not self.expert_share:
+            return None
+        return ExpertBytes(self.layer_bytes, self.expert_bytes, self.expert_share)
+
+    @property
     def stream_share(self) -> float:
         """The share of a layer's bytes (with its KV cache) that a token reads: 1 for a dense layer; for a mixture
         of experts, the rest of the layer and the share of its routed experts the token chooses. Bytes that do not
         fit are re-read at this share each token (a node reads only the chosen experts: memory/experts.py), and a
         CPU layer's weights are read into registers at it."""
-        if not self.expert_bytes or not self.expert_share or not self.layer_kv_bytes:
+        experts = self.experts
+        if experts is None or not self.layer_kv_bytes:
             return 1.0
-        return 1.0 - self.expert_bytes * (1.0 - self.expert_share) / self.layer_kv_bytes
+        return 1.0 - experts.unused_bytes / self.layer_kv_bytes
 
     @property
     def alpha(self) -> np.ndarray:
@@ -157,7 +165,7 @@ def platform(
         raise ValueError("no devices to plan for")
     bp = model.layer_bytes_with_kv
     # a mixture of experts' token reads its routed experts' share only
-    bp_token = bp - model.layer_expert_bytes * (1.0 - model.expert_token_share) if model.expert_token_share else bp
+    bp_token = bp - model.experts.unused_bytes if model.experts else bp
     kv = model.kv_bytes_per_token_layer
     hidden = model.hidden_bytes
     lookup = -(-model.input_bytes // max(model.n_vocab, 1))  # one embedding row, rounded up to whole bytes

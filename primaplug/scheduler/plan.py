@@ -195,6 +195,5 @@ def build_plan(
         )
         for i in range(m)
     )
-    experts = ExpertBytes(p.layer_bytes, p.expert_bytes, p.expert_share) if p.expert_bytes else None
     return Plan(scheduler=scheduler, k=k, n_layer=p.n_layer, devices=devices, dropped=tuple(dropped),
-                latency_model=latency_model, experts=experts)
+                latency_model=latency_model, experts=p.experts)
