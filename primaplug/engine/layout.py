@@ -236,6 +236,9 @@ class ModelLayout:
         and one device's windows cannot share a context."""
         return any(self.recurrent_layers)
 
+    def is_recurrent(self, layer: int) -> bool:
+        return bool(self.recurrent_layers) and self.recurrent_layers[layer]
+
     def head_dims(self, layer: int) -> tuple[int, int]:
         """A layer's key and value head dims."""
         if self.swa_layers[layer] and self.head_dim_k_swa is not None:
@@ -245,14 +248,14 @@ class ModelLayout:
     def kv_bytes_per_token(self, layer: int, bytes_per_value: int = 2) -> int:
         """KV-cache bytes one token takes in one layer (F16 cache by default); none in a recurrent layer, whose state
         (recurrent_state_bytes a sequence) does not grow."""
-        if self.recurrent_layers and self.recurrent_layers[layer]:
+        if self.is_recurrent(layer):
             return 0
         return self.n_head_kv[layer] * sum(self.head_dims(layer)) * bytes_per_value
 
     def cache_bytes(self, layer: int, n_ctx: int, n_seq: int = 1) -> int:
         """What a layer's cache takes for n_ctx positions over n_seq sequences: keys and values, or a recurrent
         layer's states (one a sequence, whatever its length)."""
-        if self.recurrent_layers and self.recurrent_layers[layer]:
+        if self.is_recurrent(layer):
             return self.recurrent_state_bytes * n_seq
         return self.kv_bytes_per_token(layer) * n_ctx
 

@@ -41,11 +41,7 @@ class Session(Protocol):
 
     def clear(self) -> None: ...
 
-    @property
-    def n_past(self) -> int: ...
-
-    # False when the model has recurrent layers: only a rewind to 0 (a clear) or to the end is possible
-    rewindable: bool
+    def can_rewind(self, pos: int) -> bool: ...
 
 
 _GENERATE = inspect.signature(llama_cpp.Llama.generate)
@@ -91,7 +87,7 @@ class _HeadContext(_internals.LlamaContext):
         if p1 >= 0:
             raise PrimaplugError(f"removing positions [{p0}, {p1}) from the middle of a conversation is not supported "
                                  "over a ring: only rewinding (removing every position from one on)")
-        if not self.session.rewindable and 0 < p0 < self.session.n_past:
+        if not self.session.can_rewind(max(p0, 0)):
             return False  # recurrent layers cannot forget part of a conversation: llama-cpp-python then evaluates anew
         self.session.rewind(max(p0, 0))
         return True

@@ -151,12 +151,17 @@ class Session:
                 if output is not None:
                     output(out, p + len(batch) - len(out))
 
+    def can_rewind(self, pos: int) -> bool:
+        """Whether the ring can forget positions pos and after: always, but on recurrent layers only all of them
+        (pos 0) or none (pos at the prefix's end or past it)."""
+        return self.rewindable or not 0 < pos < len(self.prefix)
+
     def rewind(self, pos: int) -> None:
         """Forget positions pos, pos + 1, ... (nothing to do when the prefix ends before pos); the devices forget
         them when the next batch, which starts at pos, reaches them."""
         if pos < 0:
             raise PrimaplugError(f"cannot rewind to position {pos}")
-        if 0 < pos < len(self.prefix) and not self.rewindable:
+        if not self.can_rewind(pos):
             raise RecurrentRewindError(pos, len(self.prefix))
         with self._call():
             self._follow()
