@@ -154,9 +154,7 @@ def _tensors(spec: SyntheticSpec,
             yield p + "ffn_up.weight", (2 * spec.n_ff, e), mat(2 * spec.n_ff, e)
             yield p + "ffn_down.weight", (e, spec.n_ff), mat(e, spec.n_ff)
         else:
-            yield p + "ffn_gate.weight", (spec.n_ff, e), mat(spec.n_ff, e)
-            yield p + "ffn_up.weight", (spec.n_ff, e), mat(spec.n_ff, e)
-            yield p + "ffn_down.weight", (e, spec.n_ff), mat(e, spec.n_ff)
+            yield from _dense_ffn(spec, p, mat)
         if a in ("gemma2", "olmo2"):
             yield p + "post_ffw_norm.weight", (e,), norm(e)
         if il >= spec.n_layer:  # glm4moe's NextN layer: the hidden state and the next token's embedding, joined
@@ -169,6 +167,14 @@ def _tensors(spec: SyntheticSpec,
 
 
 Maker = Callable[[], np.ndarray]
+
+
+def _dense_ffn(spec: SyntheticSpec, p: str, mat: Callable[..., Maker]) -> Iterator[tuple[str, tuple[int, ...], Maker]]:
+    """A gated FFN of n_ff rows: gate, up and down."""
+    e, f = spec.n_embd, spec.n_ff
+    yield p + "ffn_gate.weight", (f, e), mat(f, e)
+    yield p + "ffn_up.weight", (f, e), mat(f, e)
+    yield p + "ffn_down.weight", (e, f), mat(e, f)
 
 
 def llama4_moe(il: int) -> bool:
@@ -203,9 +209,7 @@ def _lfm2_layer(spec: SyntheticSpec, il: int, mat: Callable[..., Maker],
         yield p + "shortconv.in_proj.weight", (3 * e, e), mat(3 * e, e)
         yield p + "shortconv.out_proj.weight", (e, e), mat(e, e)
     yield p + "ffn_norm.weight", (e,), norm(e)
-    yield p + "ffn_gate.weight", (spec.n_ff, e), mat(spec.n_ff, e)
-    yield p + "ffn_up.weight", (spec.n_ff, e), mat(spec.n_ff, e)
-    yield p + "ffn_down.weight", (e, spec.n_ff), mat(e, spec.n_ff)
+    yield from _dense_ffn(spec, p, mat)
 
 
 def qwen35_recurrent(il: int) -> bool:
@@ -248,9 +252,7 @@ def _qwen35_layer(spec: SyntheticSpec, il: int, mat: Callable[..., Maker], norm:
         yield p + "attn_k_norm.weight", (hd,), norm(hd)
     yield p + "post_attention_norm.weight", (e,), norm(e)
     if spec.arch == "qwen35":
-        yield p + "ffn_gate.weight", (spec.n_ff, e), mat(spec.n_ff, e)
-        yield p + "ffn_up.weight", (spec.n_ff, e), mat(spec.n_ff, e)
-        yield p + "ffn_down.weight", (e, spec.n_ff), mat(e, spec.n_ff)
+        yield from _dense_ffn(spec, p, mat)
         return
     x, f = spec.n_expert, spec.n_ff_exp
     yield p + "ffn_gate_inp.weight", (x, e), mat(x, e, 4.0)
@@ -294,9 +296,7 @@ def _gemma4_layer(spec: SyntheticSpec, il: int, mat: Callable[..., Maker], norm:
     yield p + "post_attention_norm.weight", (e,), norm(e, big)
     yield p + "layer_output_scale.weight", (1,), lambda: np.full(1, 0.9, dtype=np.float32)
     yield p + "ffn_norm.weight", (e,), norm(e)
-    yield p + "ffn_gate.weight", (spec.n_ff, e), mat(spec.n_ff, e)
-    yield p + "ffn_up.weight", (spec.n_ff, e), mat(spec.n_ff, e)
-    yield p + "ffn_down.weight", (e, spec.n_ff), mat(e, spec.n_ff)
+    yield from _dense_ffn(spec, p, mat)
     yield p + "post_ffw_norm.weight", (e,), norm(e, big)
     if il >= spec.n_dense_lead:
         x, f = spec.n_expert, spec.n_ff_exp
