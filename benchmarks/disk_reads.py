@@ -46,28 +46,20 @@ WAYS = ("pread-4K", "pread-64K", "pread-1M", "pread-4M", "pread-16M", "pread-1M-
         "populate-sequential", "fault-normal")
 
 
-def _pread_all(fd: int, start: int, length: int, chunk: int) -> None:
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    pos, end = start, start + length
-    while pos < end:
-        got = os.preadv(fd, [view[: min(chunk, end - pos)]], pos)
-        if got <= 0:
-            break
-        pos += got
-
-
 def read(way: str, path: str, length: int) -> None:
-    """One way of bringing [0, length) of the file into the page cache (the child's job)."""
+    """One way of bringing [0, length) of the file into the page cache (the child's job): `pread`s through
+    primaplug's own loop (memory/advice.py: read_range, as the expert reads use it), or the file mapped."""
+    from primaplug.memory.advice import read_range
+
     fd = os.open(path, os.O_RDONLY)
     try:
         if way.startswith("pread-") and way.endswith("-x4"):
             part = length // 4
             with ThreadPoolExecutor(4) as pool:
-                list(pool.map(lambda i: _pread_all(fd, i * part, part, MiB), range(4)))
+                list(pool.map(lambda i: read_range(fd, memoryview(bytearray(MiB)), i * part, part), range(4)))
         elif way.startswith("pread-"):
             size = {"4K": 4096, "64K": 64 * 1024, "1M": MiB, "4M": 4 * MiB, "16M": 16 * MiB}[way.split("-")[1]]
-            _pread_all(fd, 0, length, size)
+            read_range(fd, memoryview(bytearray(size)), 0, length)
         else:
             _read_mapped(way, fd, length)
     finally:
@@ -94,7 +86,7 @@ def _read_mapped(way: str, fd: int, length: int) -> None:
 
 
 def _disk_stat(dev: str) -> tuple[int, int]:
-    """(read requests completed, sectors read) of the block device MAJ:MIN (its whole disk where it is a part)."""
+    """(read requests completed, bytes read) of the block device MAJ:MIN, from its sysfs stat."""
     sys_dev = Path("/sys/dev/block") / dev
     stat = sys_dev / "stat"
     fields = stat.read_text().split()

@@ -81,24 +81,24 @@ def ring_platform(devices: list[Device], model: Path) -> Any:
     return platform([head, *nodes], mp, slow_disk_bps=0.0)
 
 
-def model_windows(devices: list[Device], model: Path, rounds: int) -> list[int]:
-    """Layers per round of each device, chosen by the ring's latency model (ring_platform). A device may be left a
-    relay (no layer) where that is faster, as Halda's device selection would."""
+def model_windows(p: Any, rounds: int) -> list[int]:
+    """Layers per round of each device, chosen by the ring's latency model (p: ring_platform). A device may be left
+    a relay (no layer) where that is faster, as Halda's device selection would."""
     from primaplug.scheduler.ring import best_placement
 
-    found = best_placement(ring_platform(devices, model), rounds, relays=True)
+    found = best_placement(p, rounds, relays=True)
     if found is None:
         raise SystemExit(f"the ring's latency model found no placement with k = {rounds}")
     return list(found.w[1:])
 
 
-def predicted_tpot(devices: list[Device], model: Path, rounds: int, sizes: list[int]) -> float:
-    """What the ring's latency model predicts for these windows (the head running only the output layer)."""
+def predicted_tpot(p: Any, rounds: int, sizes: list[int]) -> float:
+    """What the ring's latency model (p: ring_platform) predicts for these windows, the head running only the
+    output layer."""
     import numpy as np
 
     from primaplug.scheduler.ring import gpu_layers, predict_ring
 
-    p = ring_platform(devices, model)
     w = np.array([[0, *sizes]])
     return float(np.atleast_1d(predict_ring(p, rounds, w, gpu_layers(p, rounds, w)).total_s)[0])
 
@@ -146,7 +146,8 @@ def ring_run(devices: list[Device], model: Path, work: Path, *, rounds: int, fla
 
     layout = read_layout(model)
     layer_bytes = sum(layout.layer_bytes(il) for il in range(layout.n_layer)) / layout.n_layer
-    sizes = (model_windows(devices, model, rounds) if split == "model"
+    p = ring_platform(devices, model)
+    sizes = (model_windows(p, rounds) if split == "model"
              else memory_then_disk(devices, layer_bytes, layout.n_layer // rounds, rounds))
     with Testbed(devices, model, work, node_args=flags) as tb:
         t0 = time.perf_counter()
@@ -160,7 +161,7 @@ def ring_run(devices: list[Device], model: Path, work: Path, *, rounds: int, fla
         finally:
             llm.close()
         peaks = tb.peak_memory_bytes()
-    predicted = predicted_tpot(devices, model, rounds, sizes)
+    predicted = predicted_tpot(p, rounds, sizes)
     return {
         "rounds": rounds, "layers_per_round": sizes, "flags": flags, "deploy_s": round(deployed, 2), **timed,
         "predicted_tpot_s": round(predicted, 3), "measured_over_predicted": round(timed["tpot_s"] / predicted, 3),

@@ -29,7 +29,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.memory_testbed import CACHE, RESULTS, add_testbed_args, model_file, model_windows  # noqa: E402
+from benchmarks.memory_testbed import (  # noqa: E402
+    CACHE,
+    RESULTS,
+    add_testbed_args,
+    model_file,
+    model_windows,
+    ring_platform,
+)
 from benchmarks.testbed.cluster import Testbed, testbed_script  # noqa: E402
 from benchmarks.testbed.devices import load_devices  # noqa: E402
 from benchmarks.testbed.timing import prompt_tokens  # noqa: E402
@@ -76,7 +83,7 @@ def main() -> int:
     caps = sum(d.cap_bytes for d in devices)
     print(f"{model.name}: {model.stat().st_size / 1e9:.2f} GB = {model.stat().st_size / caps:.2f}x the caps' "
           f"{caps / 1e9:.2f} GB", file=sys.stderr)
-    sizes = model_windows(devices, model, a.rounds)
+    sizes = model_windows(ring_platform(devices, model), a.rounds)
     with testbed_script("verify_cost"), Testbed(devices, model, Path(a.workdir)) as tb:
         llm = primaplug.Llama(model, nodes=tb.addresses, route=tb.route, layers=[*sizes, 0], rounds=a.rounds,
                               n_ctx=512, n_batch=64, n_ubatch=16, n_threads=a.threads, node_threads=a.threads,
