@@ -10,6 +10,7 @@ import ctypes
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from benchmarks.memory_testbed import CACHE
 
@@ -47,4 +48,50 @@ def requantized_draft(path: str | os.PathLike[str], ftype: str = "Q2_K", embeddi
         tmp.unlink(missing_ok=True)
         raise RuntimeError(f"llama.cpp could not requantize {src} to {ftype} (see its log above)")
     tmp.rename(out)
+    return out
+
+
+def truncated_draft(target: str | os.PathLike[str], layers: int, noise: float = 0.0, seed: int = 0,
+                    folder: Path = CACHE) -> Path:
+    """The first `layers` layers of `target` with its embedding and output layer, their bytes copied as they are:
+    the draft of a synthetic target written with shallow_layers=layers (engine/synthetic.py), whose later layers
+    barely change what it predicts. `noise` > 0 adds Gaussian noise to the output layer's weights (written F16),
+    `noise` times their own spread: the fewer of the target's choices the draft then makes, the knob that sets how
+    often its drafts are accepted. Made once and cached in `folder` (default ~/.cache/primaplug/bench/)."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+
+    src = Path(target)
+    out = folder / f"{src.stem}-first{layers}{f'-noise{noise:g}' if noise else ''}.gguf"
+    if out.exists():
+        return out
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    writer = gguf.GGUFWriter(out.with_suffix(".tmp"), arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        value = layers if field.name == gguf.Keys.LLM.BLOCK_COUNT.format(arch=arch) else field.contents()
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, field.types[0], sub_type=sub)
+    kept = [t for t in reader.tensors if not t.name.startswith("blk.") or int(t.name.split(".")[1]) < layers]
+
+    def data(t: Any) -> Any:
+        if t.name != "output.weight" or not noise:
+            return t.data
+        w = dequantize(t.data, t.tensor_type)
+        rng = np.random.default_rng(seed)
+        return (w + noise * float(w.std()) * rng.standard_normal(w.shape, dtype=np.float32)).astype(np.float16)
+
+    arrays = [(t, data(t)) for t in kept]
+    for t, a in arrays:  # a quantized tensor's data is its bytes, shaped as such; gguf takes it with its type
+        writer.add_tensor_info(t.name, a.shape, a.dtype, a.nbytes, t.tensor_type if a is t.data else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, a in arrays:
+        writer.write_tensor_data(a)
+    writer.close()
+    out.with_suffix(".tmp").rename(out)
     return out

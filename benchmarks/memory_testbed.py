@@ -39,6 +39,7 @@ from benchmarks.testbed.bound import pooled_disk_bound, tpot_bound  # noqa: E402
 from benchmarks.testbed.cgroups import CgroupUnavailableError  # noqa: E402
 from benchmarks.testbed.cluster import Terminated, Testbed, unwind_on_sigterm  # noqa: E402
 from benchmarks.testbed.devices import Device, load_devices  # noqa: E402
+from benchmarks.testbed.memwatch import MemoryWatch, growth  # noqa: E402
 from benchmarks.testbed.plain import run_capped  # noqa: E402
 from benchmarks.testbed.timing import time_greedy  # noqa: E402
 
@@ -52,10 +53,12 @@ VARIANTS = {"prefetch+release": [], "no prefetch": ["--no-prefetch"], "no releas
 ALL_OFF = ["--no-prefetch", "--no-release", "--no-keep"]
 
 
-def ring_platform(devices: list[Device], model: Path) -> Any:
-    """The ring's latency model's constants for what the testbed gives the devices (memory for the model, disk read
-    cap, CPU share, link) and this machine's measured compute (its cached profile). The head is this process, not
-    capped: it plays a device with no memory and no disk, which runs only the output layer."""
+def ring_platform(devices: list[Device], model: Path, available: list[int] | None = None) -> Any:
+    """The ring's latency model's constants for what the testbed gives the devices (memory, disk read cap, CPU
+    share, link) and this machine's measured compute (its cached profile). Memory: `available`, what each running
+    node has (Testbed.available_bytes: its cap less its runtime, as a node reports it to Halda), else memory_mib
+    (the cap less RUNTIME_MIB, before the nodes run). The head is this process, not capped: it plays a device with
+    no memory and no disk, which runs only the output layer."""
     import os
 
     import msgspec
@@ -76,8 +79,9 @@ def ring_platform(devices: list[Device], model: Path) -> Any:
             link_latency_s=latency_s, link_bps=bps)
 
     head = device("head", 0, 0.0, cores, 1e-4, 1e10)
-    nodes = [device(d.name, int(d.memory_mib * (1 << 20)), d.read_bps, d.cpus or cores, d.link_latency_ms / 1e3,
-                    d.link_mbit * 1e6 / 8) for d in devices]
+    memory = available or [int(d.memory_mib * (1 << 20)) for d in devices]
+    nodes = [device(d.name, m, d.read_bps, d.cpus or cores, d.link_latency_ms / 1e3, d.link_mbit * 1e6 / 8)
+             for d, m in zip(devices, memory, strict=True)]
     return platform([head, *nodes], mp, slow_disk_bps=0.0)
 
 
@@ -127,15 +131,18 @@ def proportional(weights: list[float], total: int) -> list[int]:
     return out
 
 
-def model_file(size: str, layers: int) -> Path:
+def model_file(size: str, layers: int, *, shallow: int = 0, deep_scale: float = 1.0) -> Path:
+    """The synthetic llama of `size` with `layers` layers, written once and cached; `shallow`/`deep_scale`: its
+    layers past the first `shallow` scaled (engine/synthetic.py: SyntheticSpec.shallow_layers)."""
     from primaplug.cli.synth import byte_size as _byte_size
     from primaplug.engine.synthetic import write_sized_model
 
-    path = CACHE / f"llama-{layers}L-{size}-Q4_K_M.gguf"
+    tuned = f"-shallow{shallow}-deep{deep_scale:g}" if shallow else ""
+    path = CACHE / f"llama-{layers}L-{size}{tuned}-Q4_K_M.gguf"
     if not path.exists():
         print(f"writing {path.name} (once; primaplug synth)", file=sys.stderr)
         CACHE.mkdir(parents=True, exist_ok=True)
-        write_sized_model(path, _byte_size(size), layers)
+        write_sized_model(path, _byte_size(size), layers, shallow_layers=shallow, deep_scale=deep_scale)
     return path
 
 
@@ -146,21 +153,27 @@ def ring_run(devices: list[Device], model: Path, work: Path, *, rounds: int, fla
 
     layout = read_layout(model)
     layer_bytes = sum(layout.layer_bytes(il) for il in range(layout.n_layer)) / layout.n_layer
-    p = ring_platform(devices, model)
-    sizes = (model_windows(p, rounds) if split == "model"
-             else memory_then_disk(devices, layer_bytes, layout.n_layer // rounds, rounds))
     with Testbed(devices, model, work, node_args=flags) as tb:
+        watch = MemoryWatch(tb.groups).start()
+        p = ring_platform(devices, model, tb.available_bytes())
+        sizes = (model_windows(p, rounds) if split == "model"
+                 else memory_then_disk(devices, layer_bytes, layout.n_layer // rounds, rounds))
         t0 = time.perf_counter()
         llm = primaplug.Llama(model, nodes=tb.addresses, route=tb.route, layers=[*sizes, 0], rounds=rounds,
                               n_ctx=512, n_batch=64, n_ubatch=16, n_threads=threads, node_threads=threads,
                               timeout_s=120, logits_all=True, verbose=False)
         deployed = time.perf_counter() - t0
+        watch.mark("deployed")
         try:
-            timed = time_greedy(llm, prompt, tokens)
+            timed = time_greedy(llm, prompt, tokens, after_prompt=lambda: watch.mark("prompt"))
+            watch.mark("decoded")
             statuses = [n.status(detail=True) for n in llm.cluster.nodes]
+            processes = watch.processes()
         finally:
+            watch.stop()
             llm.close()
         peaks = tb.peak_memory_bytes()
+    memory = watch.summary()
     predicted = predicted_tpot(p, rounds, sizes)
     return {
         "rounds": rounds, "layers_per_round": sizes, "flags": flags, "deploy_s": round(deployed, 2), **timed,
@@ -170,7 +183,9 @@ def ring_run(devices: list[Device], model: Path, work: Path, *, rounds: int, fla
                    "major_faults_per_token": round(s.major_faults_per_token, 1),
                    "memory_pressure": round(s.memory_pressure, 4), "bytes_prefetched": s.bytes_prefetched,
                    "bytes_released": s.bytes_released, "resident_bytes": s.resident_bytes,
-                   "cap_bytes": d.cap_bytes, "peak_bytes": p}
+                   "cap_bytes": d.cap_bytes, "peak_bytes": p,
+                   "growth_since_start": growth(memory[d.name], d.cap_bytes), "memory": memory[d.name],
+                   "anonymous_by_mapping": processes[d.name]}
                   for d, s, p in zip(devices, statuses, peaks, strict=True)],
     }
 
@@ -246,6 +261,7 @@ def main() -> int:
                     help="prefetch and release only: no ablations (about a third of the time)")
     ap.add_argument("--ring-only", metavar="K,K", help="only the ring at these k, with --node-flag; prints, writes "
                     "nothing (for comparing node flags)")
+    ap.add_argument("--ring-only-json", metavar="FILE", help="with --ring-only: the last run's record, to FILE")
     ap.add_argument("--node-flag", action="append", default=[], help="a flag for every node (with --ring-only)")
     ap.add_argument("--memory-factor", type=float, default=1.0,
                     help="multiply every device's memory (2: the second device set of docs/memory.md)")
@@ -268,6 +284,8 @@ def main() -> int:
         for k in (int(x) for x in a.ring_only.split(",")):
             r = ring_run(devices, model, work, rounds=k, flags=a.node_flag, **kw)
             _line(f"k={k} {' '.join(a.node_flag)} (layers per round {' '.join(map(str, r['layers_per_round']))})", r)
+            if a.ring_only_json:
+                Path(a.ring_only_json).write_text(json.dumps(r, indent=2) + "\n")
         return 0
     s_per_byte = compute_rate(small, a.threads, a.prompt)
     print(f"  compute: plain llama-cpp-python decodes {1 / s_per_byte / 1e9:.2f} GB of weights a second "

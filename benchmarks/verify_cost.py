@@ -83,8 +83,8 @@ def main() -> int:
     caps = sum(d.cap_bytes for d in devices)
     print(f"{model.name}: {model.stat().st_size / 1e9:.2f} GB = {model.stat().st_size / caps:.2f}x the caps' "
           f"{caps / 1e9:.2f} GB", file=sys.stderr)
-    sizes = model_windows(ring_platform(devices, model), a.rounds)
     with testbed_script("verify_cost"), Testbed(devices, model, Path(a.workdir)) as tb:
+        sizes = model_windows(ring_platform(devices, model, tb.available_bytes()), a.rounds)
         llm = primaplug.Llama(model, nodes=tb.addresses, route=tb.route, layers=[*sizes, 0], rounds=a.rounds,
                               n_ctx=512, n_batch=64, n_ubatch=16, n_threads=a.threads, node_threads=a.threads,
                               timeout_s=180, logits_all=True, verbose=False)

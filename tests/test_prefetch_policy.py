@@ -136,3 +136,27 @@ def test_a_node_goes_layer_by_layer_by_itself_only_where_whole_windows_would_fau
     roomy = plan_prefetch(big, 160 * MiB)  # two streamed windows fit beside the kept part
     assert roomy.mode == "stream" and not faults_in(roomy)
     assert not faults_in(plan_prefetch(big, 200 * MiB))  # all resident
+
+
+def test_a_smaller_stream_room_keeps_more_of_every_layer(gemma_path) -> None:
+    """--stream-room: layer by layer, the streamed layers that fit beside the kept part at once; fewer than the
+    default (a window's and one more) leaves more of the budget to the kept part."""
+    from primaplug.core.windows import LayerRange
+    from primaplug.device.memory import MemorySettings, plan_memory
+    from primaplug.engine import read_layout
+    from primaplug.memory.prefetcher import Switches
+
+    layout = read_layout(gemma_path)
+    windows = [LayerRange(0, 6), LayerRange(6, 12)]
+    weights = sum(layout.layer_bytes(il) for il in range(12))
+    budget = weights * 3 // 4
+
+    def plan(room: int | None):  # noqa: ANN202
+        memory = MemorySettings(budget_bytes=budget, switches=Switches(layers=True, room_layers=room))
+        return plan_memory(layout, windows, n_ctx=256, n_batch=32, n_ubatch=32, memory=memory)
+
+    default, two = plan(None), plan(2)
+    assert default.per_layer and two.per_layer
+    assert two.prefetch.keep_bytes > default.prefetch.keep_bytes
+    assert two.prefetch.keep_bytes + 2 * max(two.prefetch.stream_bytes) <= budget
+    assert default.prefetch.keep_bytes + 7 * max(default.prefetch.stream_bytes) <= budget

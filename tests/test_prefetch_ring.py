@@ -134,7 +134,8 @@ def test_streaming_layer_by_layer_releases_what_its_plan_streams(streaming_model
     """A window larger than the budget: whole-window streaming (--layer-streaming=off) re-reads all of it every
     token; layer by layer (what a node chooses by itself here), each layer is released as soon as it is done and no
     more than the plan streams is released (the plan leaves room for a window's layers ahead, and keeps a part of
-    every layer only where the budget holds more). Same tokens."""
+    every layer only where the budget holds more). With --stream-room 1, room for one streamed layer at a time,
+    more of every layer is kept and less released. Same tokens."""
     from primaplug.core import LayerRange
     from primaplug.engine import read_layout
     from primaplug.memory.policy import plan_prefetch
@@ -143,16 +144,20 @@ def test_streaming_layer_by_layer_releases_what_its_plan_streams(streaming_model
     window = LayerRange(0, layout.n_layer // 2)  # each of the two nodes holds half the layers
     window_bytes = sum(n for _, n in layout.window_ranges(window))
     budget_mib = int(window_bytes * 0.8) // MiB
-    per_layer = plan_prefetch([layout.window_ranges(LayerRange(i, i + 1)) for i in range(window.start, window.end)],
-                              budget_mib * MiB, unit="layer", slots=window.n_layers + 1)  # as device/memory.py
+    layers = [layout.window_ranges(LayerRange(i, i + 1)) for i in range(window.start, window.end)]
+    per_layer = plan_prefetch(layers, budget_mib * MiB, unit="layer", slots=window.n_layers + 1)  # device/memory.py
+    one_room = plan_prefetch(layers, budget_mib * MiB, unit="layer", slots=1)
+    assert one_room.keep_fraction > per_layer.keep_fraction
 
     budget = ["--memory-budget", str(budget_mib)]
     whole_tokens, whole = _released_per_token(streaming_model, tmp_path / "a", [*budget, "--layer-streaming=off"])
     layer_tokens, layered = _released_per_token(streaming_model, tmp_path / "b", budget)  # auto: layer by layer
-    assert layer_tokens == whole_tokens
-    for w, s in zip(whole, layered, strict=True):
+    room_tokens, one = _released_per_token(streaming_model, tmp_path / "c", [*budget, "--stream-room", "1"])
+    assert layer_tokens == whole_tokens == room_tokens
+    for w, s, r in zip(whole, layered, one, strict=True):
         assert w >= 0.9 * window_bytes, "whole windows: all of it released, and re-read, every token"
         assert 0 < s <= (1 - per_layer.keep_fraction) * window_bytes * 1.05, (s, window_bytes)
+        assert 0 < r <= (1 - one_room.keep_fraction) * window_bytes * 1.05, (r, window_bytes)
 
 
 def test_a_streaming_mixture_of_experts_reads_only_the_chosen_experts(model_dir: Path, tmp_path: Path) -> None:

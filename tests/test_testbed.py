@@ -86,3 +86,80 @@ def test_the_disk_of_a_file_is_named_as_maj_min(tmp_path: Path) -> None:
     major, minor = dev.split(":")
     assert major.isdigit() and minor.isdigit()
     assert (Path("/sys/dev/block") / dev).exists()
+
+
+SMAPS = """\
+55d0c0000000-55d0c0100000 rw-p 00000000 00:00 0                          [heap]
+Rss:                1024 kB
+Anonymous:          1024 kB
+7f0000000000-7f0000400000 rw-p 00000000 00:00 0 
+Rss:                3072 kB
+Anonymous:          3072 kB
+7f0000400000-7f0000500000 r-xp 00000000 fe:01 123                        /usr/lib/libllama.so
+Rss:                 512 kB
+Anonymous:             0 kB
+7f0000500000-7f0000510000 rw-p 00100000 fe:01 123                        /usr/lib/libllama.so
+Rss:                  64 kB
+Anonymous:            32 kB
+7f0000600000-7f0000700000 rw-p 00000000 00:00 0                          [stack]
+Rss:                  16 kB
+Anonymous:            16 kB
+"""
+
+
+def test_a_node_s_anonymous_memory_is_told_apart_by_where_it_lives() -> None:
+    from benchmarks.testbed.memwatch import anon_by_mapping
+
+    out = anon_by_mapping(SMAPS)
+    assert out["heap"] == 1.0 and out["anonymous mappings"] == 3.0
+    assert out["libraries"] == round(32 / 1024, 2) and out["other"] == round(16 / 1024, 2)
+    assert out["largest anonymous mappings (resident MiB / size MiB)"] == ["3.0 / 4.0"]
+
+
+@pytest.mark.parametrize("v1", [True, False])
+def test_a_cgroup_s_memory_splits_into_anonymous_kernel_and_page_cache(tmp_path: Path, v1: bool) -> None:
+    from benchmarks.testbed.memwatch import growth, sample_group
+
+    mib = 1 << 20
+    if v1:
+        (tmp_path / "memory.usage_in_bytes").write_text(str(100 * mib))
+        (tmp_path / "memory.kmem.usage_in_bytes").write_text(str(2 * mib))
+        (tmp_path / "memory.stat").write_text(f"cache {mib}\ntotal_rss {40 * mib}\ntotal_active_file {50 * mib}\n"
+                                              f"total_inactive_file {8 * mib}\ntotal_shmem 0\n")
+    else:
+        (tmp_path / "memory.current").write_text(str(100 * mib))
+        (tmp_path / "memory.stat").write_text(f"anon {40 * mib}\nactive_file {50 * mib}\ninactive_file {8 * mib}\n"
+                                              f"kernel {2 * mib}\nshmem 0\n")
+    s = sample_group(tmp_path)
+    assert s == {"usage": 100 * mib, "anon": 40 * mib, "file": 58 * mib, "kernel": 2 * mib, "shmem": 0}
+    marks = [{"used": 30.0, "anon": 28.0, "kernel": 1.0, "shmem": 0.0},
+             {"used": 42.0, "anon": 39.0, "kernel": 2.0, "shmem": 0.0}]
+    g = growth({"marks": marks, "peak_used_mib": 45.0}, 200 * mib)
+    assert g == {"used": 0.06, "anon": 0.055, "kernel": 0.005, "shmem": 0.0, "peak_used_over_start": 0.075}
+
+
+def test_a_draft_cut_from_a_target_whose_later_layers_add_nothing_gives_its_logits(tmp_path: Path) -> None:
+    """benchmarks/speculative_streaming.py's draft: a synthetic target written with its layers from the second on
+    scaled by deep_scale, and its first layer with the output layer copied as they are. At deep_scale 0 those
+    layers add exactly nothing to the residual stream, so the draft's logits are the target's to the bit; at 1 (the
+    plain writer) they are not, and with noise on its output layer the draft's differ too."""
+    import numpy as np
+
+    from benchmarks.drafts import truncated_draft
+    from primaplug.engine.reference import plain_llama
+    from primaplug.engine.synthetic import SyntheticSpec, write_synthetic_gguf
+
+    def logits(path: Path) -> np.ndarray:
+        with plain_llama(path, n_ctx=64, n_threads=1, logits_all=True, verbose=False) as llm:
+            llm.eval([3 + 7 * i for i in range(12)])
+            return np.array(llm.scores[: llm.n_tokens])
+
+    def spec(deep: float) -> SyntheticSpec:
+        return SyntheticSpec(arch="llama", n_layer=4, shallow_layers=1, deep_scale=deep, seed=4)
+
+    flat = write_synthetic_gguf(tmp_path / "flat.gguf", spec(0.0))
+    full = write_synthetic_gguf(tmp_path / "full.gguf", spec(1.0))
+    target = logits(flat)
+    assert np.array_equal(logits(truncated_draft(flat, 1, folder=tmp_path)), target)
+    assert not np.allclose(logits(truncated_draft(full, 1, folder=tmp_path)), logits(full), atol=1e-2)
+    assert not np.allclose(logits(truncated_draft(flat, 1, noise=0.5, folder=tmp_path)), target, atol=1e-2)

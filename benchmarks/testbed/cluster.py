@@ -138,6 +138,11 @@ class Testbed:
             self.head_group.add(os.getpid())  # from here on this process is the head device
         return self
 
+    def available_bytes(self) -> list[int]:
+        """What each running node has for its model: its cap less what it uses besides page cache, as its own
+        memory view counts it (primaplug/memory/system.py) and reports it to the planner."""
+        return [d.cap_bytes - g.working_set_bytes() for d, g in zip(self.devices, self.groups, strict=True)]
+
     def peak_memory_bytes(self) -> list[int | None]:
         return [g.memory_peak_bytes() for g in self.groups]
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from primaplug.core import ConfigError
 from primaplug.core.settings import DEFAULT_PORT, DEFAULT_WAKE_LOCK, HEAD_SILENCE_S, WAKE_LOCK_MODES
 
 DESCRIPTION = f"""\
@@ -46,6 +47,10 @@ def add_parser(sub: Any) -> None:
                       help="stream windows layer by layer, keeping part of every layer and prefetching as many "
                       "layers ahead as fit: on, off (whole windows), or auto (the default: layer by layer where a "
                       "whole window would fault much of itself in page by page; docs/memory.md)")
+    node.add_argument("--stream-room", type=int, metavar="LAYERS",
+                      help="stream layer by layer with room for this many streamed layers beside the kept part at "
+                      "once (default: a window's and one more); fewer keeps more of every layer resident, but reads "
+                      "less ahead (docs/memory.md)")
     node.add_argument("--whole-experts", action="store_true",
                       help="stream a mixture of experts' layers whole, every expert included, instead of reading "
                       "only the experts its tokens choose (for comparisons: docs/memory.md)")
@@ -85,12 +90,16 @@ def main(args: argparse.Namespace) -> int:
     if not args.verbose:  # say what the node does (loads, refusals), not each message
         for name in ("primaplug.node", "primaplug.transport", "primaplug.device", "primaplug.discovery"):
             logging.getLogger(name).setLevel(logging.INFO)
+    if args.stream_room is not None and (args.layer_streaming == "off" or args.stream_room < 1):
+        raise ConfigError(f"--stream-room {args.stream_room}: give a number of layers, 1 or more, and stream layer "
+                          "by layer (not with --layer-streaming off)")
+    layers = True if args.stream_room is not None else {"on": True, "off": False}.get(args.layer_streaming)
     host, port = split_address(args.listen)
     keys = load_keys(args.keys) if args.keys else None
     memory = MemorySettings(
         budget_bytes=args.memory_budget << 20 if args.memory_budget is not None else None,
         switches=Switches(prefetch=not args.no_prefetch, release=not args.no_release, keep=not args.no_keep,
-                          layers={"on": True, "off": False}.get(args.layer_streaming),
+                          layers=layers, room_layers=args.stream_room,
                           experts=not args.whole_experts))
     settings = NodeSettings(models=tuple(Path(m) for m in args.model), host=host, port=port,
                             name=args.name or platform.node(), secure=keys is not None, memory=memory,

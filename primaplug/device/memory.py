@@ -99,7 +99,7 @@ def plan_memory(layout: ModelLayout, windows: list[LayerRange], *, n_ctx: int, n
     if per_layer:  # one unit per layer (device/windows.py: PrefetchHooks)
         # room for a window's layers ahead beside the one computing: a device reads the next window while the
         # others compute, rather than only once its own has run
-        slots = max(r.n_layers for r in windows) + 1
+        slots = sw.room_layers or max(r.n_layers for r in windows) + 1
         plan = plan_prefetch([layout.window_ranges(LayerRange(il, il + 1)) for r in windows
                               for il in range(r.start, r.end)], budget, keep=sw.keep, unit="layer", slots=slots)
     return MemoryPlan(plan, per_layer)

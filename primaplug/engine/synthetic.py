@@ -59,6 +59,15 @@ class SyntheticSpec:
     # > 0: expert e's router row scaled by (e + 1) ** -router_skew (then to a mean of 1): its logits spread more,
     # so it is chosen more often, the low-numbered experts most. Random weights otherwise route uniformly.
     router_skew: float = 0.0
+    # > 0: the layers from this one on add deep_scale times as much to the residual stream (their attention output
+    # and FFN down projections scaled), so that the first layers nearly decide the output and, alone, make a draft
+    # that agrees with the model as often as deep_scale allows (benchmarks/drafts.py: truncated_draft)
+    shallow_layers: int = 0
+    deep_scale: float = 1.0
+
+    def out_scale(self, il: int) -> float:
+        """How much layer il's outputs (attention output, FFN down) are scaled: deep_scale past shallow_layers."""
+        return self.deep_scale if 0 < self.shallow_layers <= il else 1.0
 
     @property
     def n_blocks(self) -> int:
@@ -139,7 +148,7 @@ def _tensors(spec: SyntheticSpec,
         if a == "olmo2":  # over all heads at once
             yield p + "attn_q_norm.weight", (q_dim,), norm(q_dim)
             yield p + "attn_k_norm.weight", (kv_dim,), norm(kv_dim)
-        yield p + "attn_output.weight", (e, q_dim), mat(e, q_dim)
+        yield p + "attn_output.weight", (e, q_dim), mat(e, q_dim, spec.out_scale(il))
         if a == "gpt-oss":
             yield p + "attn_output.bias", (e,), bias(e)
             yield p + "attn_sinks.weight", (spec.n_head,), bias(spec.n_head)
@@ -154,7 +163,7 @@ def _tensors(spec: SyntheticSpec,
             yield p + "ffn_up.weight", (2 * spec.n_ff, e), mat(2 * spec.n_ff, e)
             yield p + "ffn_down.weight", (e, spec.n_ff), mat(e, spec.n_ff)
         else:
-            yield from _dense_ffn(spec, p, mat)
+            yield from _dense_ffn(spec, p, mat, spec.out_scale(il))
         if a in ("gemma2", "olmo2"):
             yield p + "post_ffw_norm.weight", (e,), norm(e)
         if il >= spec.n_layer:  # glm4moe's NextN layer: the hidden state and the next token's embedding, joined
@@ -169,12 +178,13 @@ def _tensors(spec: SyntheticSpec,
 Maker = Callable[[], np.ndarray]
 
 
-def _dense_ffn(spec: SyntheticSpec, p: str, mat: Callable[..., Maker]) -> Iterator[tuple[str, tuple[int, ...], Maker]]:
-    """A gated FFN of n_ff rows: gate, up and down."""
+def _dense_ffn(spec: SyntheticSpec, p: str, mat: Callable[..., Maker],
+               out_scale: float = 1.0) -> Iterator[tuple[str, tuple[int, ...], Maker]]:
+    """A gated FFN of n_ff rows: gate, up and down (scaled by out_scale)."""
     e, f = spec.n_embd, spec.n_ff
     yield p + "ffn_gate.weight", (f, e), mat(f, e)
     yield p + "ffn_up.weight", (f, e), mat(f, e)
-    yield p + "ffn_down.weight", (e, f), mat(e, f)
+    yield p + "ffn_down.weight", (e, f), mat(e, f, out_scale)
 
 
 def llama4_moe(il: int) -> bool:
@@ -453,7 +463,7 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
 
 def spec_for_size(size_bytes: int, n_layer: int, *, ftype: str = "Q4_K_M", n_vocab: int = 4096, seed: int = 0,
                   arch: str = "llama", n_expert: int = 64, n_expert_used: int = 8,
-                  router_skew: float = 0.0) -> SyntheticSpec:
+                  router_skew: float = 0.0, shallow_layers: int = 0, deep_scale: float = 1.0) -> SyntheticSpec:
     """A shape of `arch` whose `ftype` file is about `size_bytes`: Llama-3-like proportions (head dim 128, a quarter
     as many KV heads, FFN 3.5x the embedding), the embedding a multiple of 256 for k-quants. A mixture of experts
     (MOE_ARCHS) gets n_expert experts of half the embedding's width each, n_expert_used a token (Qwen3-30B-A3B:
@@ -478,17 +488,18 @@ def spec_for_size(size_bytes: int, n_layer: int, *, ftype: str = "Q4_K_M", n_voc
     extra = dict(n_expert=n_expert, n_expert_used=n_expert_used, n_ff_exp=n_ff_exp,
                  router_skew=router_skew) if moe else {}
     return SyntheticSpec(arch=arch, n_layer=n_layer, n_embd=e, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
-                         n_vocab=n_vocab, seed=seed, **extra)
+                         n_vocab=n_vocab, seed=seed, shallow_layers=shallow_layers, deep_scale=deep_scale, **extra)
 
 
 def write_sized_model(path: str | os.PathLike[str], size_bytes: int, n_layer: int, *, ftype: str = "Q4_K_M",
                       seed: int = 0, progress: Callable[[str, int, int], None] | None = None,
                       arch: str = "llama", n_expert: int = 64, n_expert_used: int = 8,
-                      router_skew: float = 0.0) -> Path:
+                      router_skew: float = 0.0, shallow_layers: int = 0, deep_scale: float = 1.0) -> Path:
     """A GGUF of `arch` of about `size_bytes` with `n_layer` layers (spec_for_size), quantized by llama.cpp to
     `ftype`. The F16 original is written beside `path` (about 16/bits as large) and deleted afterwards."""
     spec = spec_for_size(size_bytes, n_layer, ftype=ftype, seed=seed, arch=arch, n_expert=n_expert,
-                         n_expert_used=n_expert_used, router_skew=router_skew)
+                         n_expert_used=n_expert_used, router_skew=router_skew, shallow_layers=shallow_layers,
+                         deep_scale=deep_scale)
     out = Path(path)
     tmp = out.with_name(out.name + ".f16.tmp")
     try:

@@ -29,6 +29,9 @@ class Switches:
     # a node that streams goes layer by layer (True), whole windows (False), or (None) layer by layer only where a
     # whole window would leave more than READ_AHEAD_SLACK of itself to fault in page by page (docs/memory.md)
     layers: bool | None = None
+    # layer by layer: the streamed layers that fit beside the kept part at once (the fewer, the more is kept); None: a
+    # window's layers and one more, so that the next window is read while the others compute
+    room_layers: int | None = None
     experts: bool = True  # a streaming mixture of experts reads only the routed experts (memory/experts.py)
 
 
