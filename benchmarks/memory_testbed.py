@@ -96,6 +96,13 @@ def model_windows(p: Any, rounds: int) -> list[int]:
     return list(found.w[1:])
 
 
+def running_windows(tb: Testbed, devices: list[Device], model: Path, rounds: int) -> tuple[Any, list[int]]:
+    """The ring model's platform for the running testbed's nodes (their own memory, as they report it to Halda)
+    and the windows it chooses with k = rounds."""
+    p = ring_platform(devices, model, tb.available_bytes())
+    return p, model_windows(p, rounds)
+
+
 def predicted_tpot(p: Any, rounds: int, sizes: list[int]) -> float:
     """What the ring's latency model (p: ring_platform) predicts for these windows, the head running only the
     output layer."""
@@ -155,9 +162,9 @@ def ring_run(devices: list[Device], model: Path, work: Path, *, rounds: int, fla
     layer_bytes = sum(layout.layer_bytes(il) for il in range(layout.n_layer)) / layout.n_layer
     with Testbed(devices, model, work, node_args=flags) as tb:
         watch = MemoryWatch(tb.groups).start()
-        p = ring_platform(devices, model, tb.available_bytes())
-        sizes = (model_windows(p, rounds) if split == "model"
-                 else memory_then_disk(devices, layer_bytes, layout.n_layer // rounds, rounds))
+        p, sizes = running_windows(tb, devices, model, rounds)
+        if split == "hand":
+            sizes = memory_then_disk(devices, layer_bytes, layout.n_layer // rounds, rounds)
         t0 = time.perf_counter()
         llm = primaplug.Llama(model, nodes=tb.addresses, route=tb.route, layers=[*sizes, 0], rounds=rounds,
                               n_ctx=512, n_batch=64, n_ubatch=16, n_threads=threads, node_threads=threads,

@@ -33,17 +33,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import memory_testbed as mt  # noqa: E402
 from benchmarks import need_charts  # noqa: E402
 from benchmarks.drafts import truncated_draft  # noqa: E402
-from benchmarks.memory_testbed import (  # noqa: E402
-    CACHE,
-    RESULTS,
-    add_testbed_args,
-    model_file,
-    model_windows,
-    predicted_tpot,
-    ring_platform,
-)
 from benchmarks.testbed.cluster import Testbed, testbed_script  # noqa: E402
 from benchmarks.testbed.devices import load_devices  # noqa: E402
 from benchmarks.testbed.timing import prompt_tokens, time_generation  # noqa: E402
@@ -111,7 +103,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_testbed_args(ap)
+    mt.add_testbed_args(ap)
     ap.add_argument("--shallow", type=int, default=2, help="the target's layers that the draft copies (default 2)")
     ap.add_argument("--deep-scale", type=float, default=0.002,
                     help="how much the target's later layers add to the residual stream (default 0.002)")
@@ -123,11 +115,11 @@ def main() -> int:
     ap.add_argument("--draft-max", type=int, default=DRAFT_MAX, help=f"default {DRAFT_MAX}, primaplug's")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--calibrate", action="store_true", help="only the drafts' agreement, uncapped (no root)")
-    ap.add_argument("--workdir", default=str(CACHE / "testbed"))
+    ap.add_argument("--workdir", default=str(mt.CACHE / "testbed"))
     a = ap.parse_args()
     need_charts()
 
-    target = model_file(a.size, a.layers, shallow=a.shallow, deep_scale=a.deep_scale)
+    target = mt.model_file(a.size, a.layers, shallow=a.shallow, deep_scale=a.deep_scale)
     prompt = prompt_tokens(a.prompt)
     print(f"{target.name}: the target's greedy tokens (plain llama-cpp-python, uncapped)", file=sys.stderr)
     reference = target_tokens(target, prompt, a.tokens, a.threads)
@@ -143,8 +135,7 @@ def main() -> int:
     devices = load_devices(a.devices)
     runs: dict[str, Any] = {}
     with testbed_script("speculative_streaming"), Testbed(devices, target, Path(a.workdir)) as tb:
-        p = ring_platform(devices, target, tb.available_bytes())
-        sizes = model_windows(p, a.rounds)
+        p, sizes = mt.running_windows(tb, devices, target, a.rounds)
         kw = dict(prompt=prompt, tokens=a.tokens, draft_max=a.draft_max, threads=a.threads)
         runs["no draft"] = base = ring(tb, target, sizes, a.rounds, None, **kw)
         print(f"  no draft: TPOT {base['tpot_s']:.2f} s", file=sys.stderr)
@@ -161,17 +152,17 @@ def main() -> int:
         "model": {"name": target.name, "gb": target.stat().st_size / 1e9, "x_caps": target.stat().st_size / caps,
                   "shallow_layers": a.shallow, "deep_scale": a.deep_scale},
         "devices": [dataclasses.asdict(d) for d in devices], "rounds": a.rounds, "layers_per_round": sizes,
-        "predicted_tpot_s": round(predicted_tpot(p, a.rounds, sizes), 3), "draft_max": a.draft_max,
+        "predicted_tpot_s": round(mt.predicted_tpot(p, a.rounds, sizes), 3), "draft_max": a.draft_max,
         "tokens": a.tokens, "prompt": a.prompt, "reference_tokens_plain": reference,
         "drafts": {n: {"file": d["path"].name, "mb": round(d["path"].stat().st_size / 1e6, 1), "noise": d["noise"],
                        "agreement": round(d["agreement"], 3)} for n, d in drafts.items()},
         "ring_without_draft_equals_plain": base["tokens"] == reference,
         "runs": runs,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "speculative_streaming.json").write_text(json.dumps(results, indent=2) + "\n")
-    chart(results, RESULTS / "speculative_streaming.png")
-    print(f"wrote {RESULTS}/speculative_streaming.json and .png", file=sys.stderr)
+    mt.RESULTS.mkdir(exist_ok=True)
+    (mt.RESULTS / "speculative_streaming.json").write_text(json.dumps(results, indent=2) + "\n")
+    chart(results, mt.RESULTS / "speculative_streaming.png")
+    print(f"wrote {mt.RESULTS}/speculative_streaming.json and .png", file=sys.stderr)
     return 0
 
 

@@ -29,14 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.memory_testbed import (  # noqa: E402
-    CACHE,
-    RESULTS,
-    add_testbed_args,
-    model_file,
-    model_windows,
-    ring_platform,
-)
+from benchmarks.memory_testbed import CACHE, RESULTS, add_testbed_args, model_file, running_windows  # noqa: E402
 from benchmarks.testbed.cluster import Testbed, testbed_script  # noqa: E402
 from benchmarks.testbed.devices import load_devices  # noqa: E402
 from benchmarks.testbed.timing import prompt_tokens  # noqa: E402
@@ -84,7 +77,7 @@ def main() -> int:
     print(f"{model.name}: {model.stat().st_size / 1e9:.2f} GB = {model.stat().st_size / caps:.2f}x the caps' "
           f"{caps / 1e9:.2f} GB", file=sys.stderr)
     with testbed_script("verify_cost"), Testbed(devices, model, Path(a.workdir)) as tb:
-        sizes = model_windows(ring_platform(devices, model, tb.available_bytes()), a.rounds)
+        _, sizes = running_windows(tb, devices, model, a.rounds)
         llm = primaplug.Llama(model, nodes=tb.addresses, route=tb.route, layers=[*sizes, 0], rounds=a.rounds,
                               n_ctx=512, n_batch=64, n_ubatch=16, n_threads=a.threads, node_threads=a.threads,
                               timeout_s=180, logits_all=True, verbose=False)

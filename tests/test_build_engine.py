@@ -210,3 +210,36 @@ def test_the_wheel_carries_the_patches(tmp_path) -> None:
     assert "primaplug/engine/build.py" in names and "primaplug/engine/ensure.py" in names
     requires = [ln for ln in metadata.splitlines() if ln.startswith("Requires-Dist:")]
     assert requires and not [r for r in requires if "llama-cpp-python" in r.lower().replace("_", "-")]
+
+
+def _script(folder: Path, name: str, body: str) -> Path:
+    path = folder / name
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    ("echo 'cmake version 3.31.6'", None),
+    ("echo 'ModuleNotFoundError: No module named cmake' >&2; exit 1", "a cmake that runs"),
+    ("echo 'cmake version 3.18.4'", "cmake 3.21 or newer"),
+])
+def test_a_cmake_that_does_not_run_or_is_too_old_is_named(build, monkeypatch, tmp_path, body, expected) -> None:
+    """PyPI's cmake on PATH outside its environment fails to run (an offline GPU machine: pip then asked an index
+    for cmake>=3.21); an old one would be replaced by a download. Both are named before the build starts."""
+    _script(tmp_path, "cmake", body)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    missing = [m for m in build.missing_tools() if "cmake" in m]
+    if expected is None:
+        assert missing == []
+    else:
+        assert len(missing) == 1 and missing[0].startswith(expected), missing
+
+
+def test_the_build_uses_the_environment_s_backend_where_it_has_one(build, tmp_path) -> None:
+    """With scikit-build-core in the environment the build runs without pip's isolated environment (no download);
+    without it, or too old, pip's isolation fetches it."""
+    assert build.backend_version(str(_script(tmp_path, "py-with", "echo 0.10.7"))) == (0, 10, 7)
+    assert build.backend_version(str(_script(tmp_path, "py-without", "exit 1"))) is None
+    assert build.backend_version(str(tmp_path / "no-such-python")) is None
+    assert (0, 9, 1) < build.BACKEND_MIN <= (0, 10, 7)

@@ -160,3 +160,29 @@ def test_a_node_frees_its_windows_when_its_head_goes_silent(gemma_path: Path, tm
             inbox.close()
             client.close()
             t.close()
+
+
+def test_a_local_node_that_dies_is_named_with_its_exit_status_and_its_log(gemma_path: Path) -> None:
+    """A node started by the head (--local-nodes) whose process dies: the head's error says so, with how it ended
+    (the signal, by name) and where its log is, and that log is kept for the user to read."""
+    import argparse
+    import signal
+
+    import psutil
+
+    from primaplug.cli.common import node_addresses
+    from primaplug.core.errors import NodeUnavailableError, PrimaplugError
+
+    args = argparse.Namespace(nodes=None, local_nodes=1)
+    with pytest.raises(PrimaplugError) as caught, node_addresses(args, gemma_path) as addresses:
+        assert len(addresses) == 1
+        (node,) = [c for c in psutil.Process().children() if "node" in c.cmdline()]
+        node.send_signal(signal.SIGSEGV)
+        # not node.wait(), which would reap it before the head can read its exit status
+        wait_until(lambda: node.status() == psutil.STATUS_ZOMBIE, "the node has died", 10)
+        raise NodeUnavailableError("node1", "node node1 did not answer GetProfile")
+    message = str(caught.value)
+    assert "did not answer GetProfile" in message and "was killed by SIGSEGV" in message, message
+    log = Path(message.split("its log: ", 1)[1].split()[0])
+    assert log.name == "node1.log" and log.exists(), "the log of a node that died is kept"
+    shutil.rmtree(log.parent)

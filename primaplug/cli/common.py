@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import shutil
 import sys
 import tempfile
 import time
@@ -142,17 +143,31 @@ def node_addresses(args: argparse.Namespace, path: Path) -> Iterator[list[str]]:
         return
     from primaplug.head.launch import LocalNodes
 
-    with tempfile.TemporaryDirectory(prefix="primaplug-nodes-") as logs:
+    logs = tempfile.mkdtemp(prefix="primaplug-nodes-")
+    keep = False  # the logs stay where a node died or did not start, for the message that names them
+    try:
         t0 = time.perf_counter()
         local = LocalNodes(path, args.local_nodes, log_dir=logs)
-        local.start()  # stops what it started if it fails
+        try:
+            local.start()  # stops what it started if it fails
+        except PrimaplugError:
+            keep = True
+            raise
         try:
             say(f"started {args.local_nodes} local nodes in {time.perf_counter() - t0:.1f} s: "
                 + ", ".join(f"{n.name} {n.address} (pid {n.pid})" for n in local.nodes))
             yield local.addresses
+        except PrimaplugError as e:
+            if died := local.exits():  # what the head saw (a node not answering) and why (its process ended)
+                keep = True
+                raise PrimaplugError(f"{e}\n" + "\n".join(died)) from e
+            raise
         finally:  # however the run ends: done, an error, Ctrl-C, SIGTERM
             local.stop()
             say(f"stopped the {args.local_nodes} local nodes")
+    finally:
+        if not keep:
+            shutil.rmtree(logs, ignore_errors=True)
 
 
 @contextlib.contextmanager

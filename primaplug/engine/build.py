@@ -35,6 +35,8 @@ VERSION = "0.3.36"
 DIST = "llama-cpp-python"
 SDIST_NAME = f"llama_cpp_python-{VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+CMAKE_MIN = (3, 21)  # scikit-build-core's minimum for llama-cpp-python; below it, it fetches cmake from PyPI
+BACKEND_MIN = (0, 9, 2)  # llama-cpp-python's build-system requirement: scikit-build-core>=0.9.2
 BUILD_COMMAND = "primaplug engine build"  # what every message that cannot go on tells people to run
 
 
@@ -195,14 +197,45 @@ def installed_version(python: str) -> str | None:
     return out.stdout.strip() or None
 
 
+def cmake_version(cmake: str) -> tuple[int, int] | None:
+    """(major, minor) that `cmake --version` prints, or None where it does not run: PyPI's cmake is a Python
+    wrapper that fails outside the environment it was installed in (seen offline, inside pip's isolated build)."""
+    try:
+        r = subprocess.run([cmake, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"cmake version (\d+)\.(\d+)", r.stdout)
+    return (int(m[1]), int(m[2])) if r.returncode == 0 and m else None
+
+
+def backend_version(python: str) -> tuple[int, ...] | None:
+    """The version of scikit-build-core, llama-cpp-python's build backend, in `python`'s environment (None: not
+    there). Where it is, recent enough, the build uses it and the cmake on PATH and downloads nothing; elsewhere pip
+    builds in an isolated environment, which downloads both from PyPI."""
+    code = "import scikit_build_core as m; print(m.__version__)"
+    try:
+        r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", r.stdout.strip())
+    return tuple(int(x) for x in m.groups() if x is not None) if r.returncode == 0 and m else None
+
+
 def missing_tools() -> list[str]:
-    """The programs a build needs that are not on PATH (pip's own, cmake and ninja, cannot be counted on: PyPI's
-    have no wheels for Termux)."""
+    """The programs a build needs that are not on PATH or do not run (pip's own, cmake and ninja, cannot be counted
+    on: PyPI's have no wheels for Termux, and its cmake runs only in its own environment)."""
     missing = []
     if shutil.which("patch") is None:
         missing.append("patch")
-    if shutil.which("cmake") is None:
+    cmake = shutil.which("cmake")
+    version = cmake_version(cmake) if cmake else None
+    if cmake is None:
         missing.append("cmake")
+    elif version is None:
+        missing.append(f"a cmake that runs ({cmake} does not: `cmake --version` failed; PyPI's cmake runs only in "
+                       "the environment it was installed in, install your system's: apt install cmake)")
+    elif version < CMAKE_MIN:
+        missing.append(f"cmake {CMAKE_MIN[0]}.{CMAKE_MIN[1]} or newer ({cmake} is {version[0]}.{version[1]})")
     if not (os.environ.get("CC") or any(shutil.which(c) for c in ("cc", "gcc", "clang"))):
         missing.append("a C compiler (cc, gcc or clang)")
     if not (os.environ.get("CXX") or any(shutil.which(c) for c in ("c++", "g++", "clang++"))):
@@ -287,11 +320,27 @@ def build_wheel(python: str, sdist: Path, gpu: str, key: str, out_dir: Path, out
         env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
         log_path.parent.mkdir(parents=True, exist_ok=True)
         out_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [python, "-m", "pip", "wheel", "-v", "--no-deps", "-w", str(out_dir), str(src)]
+        backend = backend_version(python)
+        offline = backend is not None and backend >= BACKEND_MIN
+        cmd = [python, "-m", "pip", "wheel", "-v", "--no-deps", *(["--no-build-isolation"] if offline else []),
+               "-w", str(out_dir), str(src)]
+        print("engine: " + (f"building with this environment's scikit-build-core {'.'.join(map(str, backend))} "
+                            "and the cmake on PATH (no download)" if offline else
+                            "pip builds in an isolated environment, which downloads scikit-build-core (and cmake, "
+                            "where the one on PATH is older than 3.21) from PyPI; without a network, install "
+                            "scikit-build-core into this environment first"), file=out, flush=True)
         print(f"engine: building {DIST} {VERSION} with primaplug's patches ({gpu}); this takes several minutes "
               f"(about 4 on 2 cores for the CPU). Log: {log_path}", file=out, flush=True)
         print(f"engine: CMake flags: {env['CMAKE_ARGS']}", file=out, flush=True)
-        run_with_progress(cmd, env, log_path, out)
+        try:
+            run_with_progress(cmd, env, log_path, out)
+        except BuildError as e:
+            if offline or "satisfies the requirement" not in log_path.read_text(errors="replace"):
+                raise
+            raise BuildError(f"{e}\npip could not download the build's tools (no network?): install "
+                             f"scikit-build-core>={'.'.join(map(str, BACKEND_MIN))} into the environment of {python} "
+                             "(pip install scikit-build-core) and have cmake 3.21 or newer on PATH, then run again: "
+                             "the build then downloads nothing") from None
     wheels = sorted(out_dir.glob("llama_cpp_python-*.whl"))
     if not wheels:
         raise BuildError(f"the build finished but left no wheel in {out_dir}; see {log_path}")

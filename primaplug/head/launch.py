@@ -110,9 +110,24 @@ class LocalNodes:
         if not m:
             _kill(proc)
             tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
-            raise PrimaplugError(f"local node {name} did not start (exit code {proc.poll()}):\n{tail}")
+            code = proc.poll()
+            how = exit_status(code) if code is not None else "did not say it was ready in time"
+            raise PrimaplugError(f"local node {name} did not start: it {how}; its log: {log_path}\n{tail}")
         host = m.group(2).removeprefix("tcp://").strip("[]")
         return LocalNode(proc, name, f"{host}:{m.group(3)}", m.group(4), log_path)
+
+    def exits(self, tail_lines: int = 5) -> list[str]:
+        """One paragraph per node that has exited while it should run: its exit status (the signal that killed it,
+        by name), its log's path and the log's last lines. Empty while every node runs."""
+        out = []
+        for proc, name, log_path in self._spawned:
+            code = proc.poll()
+            if code is None:
+                continue
+            tail = (log_path.read_text(errors="replace").rstrip().splitlines() if log_path.exists() else [])
+            out.append(f"local node {name} (pid {proc.pid}) {exit_status(code)}; its log: {log_path}"
+                       + "".join(f"\n    {line}" for line in tail[-tail_lines:]))
+        return out
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM every node, wait, SIGKILL what is left; no zombie stays behind."""
@@ -135,6 +150,16 @@ class LocalNodes:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def exit_status(code: int) -> str:
+    """A process's exit in words: "exited with status 1", or "was killed by SIGSEGV" (Popen's negative codes)."""
+    if code >= 0:
+        return f"exited with status {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
 
 
 def _child_setup(then: Callable[[], None] | None) -> Callable[[], None]:
