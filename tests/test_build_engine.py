@@ -243,3 +243,15 @@ def test_the_build_uses_the_environment_s_backend_where_it_has_one(build, tmp_pa
     assert build.backend_version(str(_script(tmp_path, "py-without", "exit 1"))) is None
     assert build.backend_version(str(tmp_path / "no-such-python")) is None
     assert (0, 9, 1) < build.BACKEND_MIN <= (0, 10, 7)
+
+
+def test_the_engine_holds_each_library_once() -> None:
+    """A wheel stores a symlink as a copy: built with versioned libraries, the engine held each three times (a 260 MB
+    CUDA wheel), and opening the wrong copy of libggml-cpu gave NaNs (engine/_native.py: _sibling)."""
+    from primaplug.profiler.gpu import engine_lib_names
+
+    names = engine_lib_names()
+    libs = [n for n in names if n.startswith("lib") and (".so" in n or n.endswith(".dylib"))]
+    assert any(n.startswith("libllama") for n in libs), names
+    stems = [n.split(".", 1)[0] for n in libs]
+    assert len(stems) == len(set(stems)), f"a library under several names: {sorted(libs)}"

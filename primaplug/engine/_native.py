@@ -120,10 +120,10 @@ class ggml_threadpool_params(ctypes.Structure):  # noqa: N801
 def _sibling(stem: str) -> ctypes.CDLL:
     """The copy of a ggml library that libllama itself loaded.
 
-    Wheels cannot hold symlinks, so lib/ has the same library under several names (libggml-cpu.so and
-    libggml-cpu.so.0): opening another name than libllama's would load a second copy, whose uninitialised
-    tables give NaNs when its threads compute. So take the file already mapped, else the versioned name
-    that libllama links against.
+    Today's engines hold each library under one name (build.py: CMAKE_PLATFORM_NO_VERSIONED_SONAME). Those built
+    before had it under several, as wheels cannot hold symlinks (libggml-cpu.so and libggml-cpu.so.0): opening
+    another name than libllama's would load a second copy, whose uninitialised tables give NaNs when its threads
+    compute. So take the file already mapped, else the versioned name that libllama links against.
     """
     folder = os.path.dirname(_lib._name)
     names = sorted(n for n in os.listdir(folder) if n.startswith(f"{_SO_PREFIX}{stem}.") and _SO_SUFFIX in n)
