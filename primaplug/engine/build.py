@@ -144,11 +144,20 @@ def cmake_flags(gpu: str) -> list[str]:
     return BASE_FLAGS + GPU_FLAGS[gpu] + extra
 
 
+def local_source() -> Path | None:
+    """$PRIMAPLUG_ENGINE_SOURCE: a llama-cpp-python source of the pinned version to build instead of the sdist from
+    PyPI, a folder or a .tar.gz, unpatched and possibly trimmed (scripts/trim_sdist.py: 4 MB, for a machine without a
+    network that can be sent little). Not checked against the sdist's sha256: the patches must still apply."""
+    value = os.environ.get("PRIMAPLUG_ENGINE_SOURCE")
+    return Path(value).expanduser() if value else None
+
+
 def build_key(gpu: str) -> str:
-    """The cache key of a build for this machine: the sdist, the patches, the flags, the platform and, for native
-    builds, the CPU."""
+    """The cache key of a build for this machine: the sdist (or a local source), the patches, the flags, the
+    platform and, for native builds, the CPU."""
     h = hashlib.sha256()
-    for part in (VERSION, SDIST_SHA256, " ".join(cmake_flags(gpu)), platform.machine(), sys.platform):
+    source = SDIST_SHA256 if local_source() is None else "local source"
+    for part in (VERSION, source, " ".join(cmake_flags(gpu)), platform.machine(), sys.platform):
         h.update(part.encode() + b"\0")
     h.update(_series_bytes())
     if "-DGGML_NATIVE=OFF" not in cmake_flags(gpu):
@@ -306,13 +315,37 @@ def describe_patch_failure(output: str) -> str:
     return "\n".join(lines or [output.strip()])
 
 
+def engine_source(python: str, out: TextIO) -> Path:
+    """The source to build: $PRIMAPLUG_ENGINE_SOURCE where set (local_source), else the pinned sdist (fetch_sdist)."""
+    source = local_source()
+    if source is None:
+        return fetch_sdist(python, out)
+    if not source.exists():
+        raise BuildError(f"PRIMAPLUG_ENGINE_SOURCE={source}: no such file or folder (give llama-cpp-python {VERSION}'s "
+                         "source, a folder or a .tar.gz; scripts/trim_sdist.py makes a small one)")
+    print(f"engine: building from the local source {source} (not checked against the sdist's sha256)", file=out,
+          flush=True)
+    return source
+
+
+def unpack_source(source: Path, into: Path) -> Path:
+    """The source tree, unpacked (a .tar.gz) or copied (a folder) into `into`, where the patches go."""
+    src = into / f"llama_cpp_python-{VERSION}"
+    if source.is_dir():
+        shutil.copytree(source, src, symlinks=True)
+        return src
+    with tarfile.open(source) as tar:
+        # filter= is Python 3.11.4+; Debian 12's python3 is 3.11.2
+        tar.extractall(into, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    if not src.is_dir():
+        raise BuildError(f"{source} holds no llama_cpp_python-{VERSION}/ folder")
+    return src
+
+
 def build_wheel(python: str, sdist: Path, gpu: str, key: str, out_dir: Path, out: TextIO) -> Path:
     log_path = cache_dir() / "engine" / f"build-{key}.log"
     with tempfile.TemporaryDirectory(prefix="primaplug-engine-") as tmp:
-        with tarfile.open(sdist) as tar:
-            # filter= is Python 3.11.4+; Debian 12's python3 is 3.11.2
-            tar.extractall(tmp, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-        src = Path(tmp) / f"llama_cpp_python-{VERSION}"
+        src = unpack_source(sdist, Path(tmp))
         apply_patches(src, patch_files(), out)
         init = src / "llama_cpp" / "__init__.py"
         init.write_text(init.read_text().replace(f'__version__ = "{VERSION}"',
@@ -427,7 +460,7 @@ def build_engine(python: str, gpu: str, *, force: bool = False, install_it: bool
         if missing := missing_tools():
             raise BuildError(f"the engine build needs {', '.join(missing)}, not found on PATH")
         shutil.rmtree(cache_dir() / "engine" / key, ignore_errors=True)
-        wheel = build_wheel(python, fetch_sdist(python, out), gpu, key, cache_dir() / "engine" / key, out)
+        wheel = build_wheel(python, engine_source(python, out), gpu, key, cache_dir() / "engine" / key, out)
     if wheel_dir is not None:
         wheel_dir.mkdir(parents=True, exist_ok=True)
         shutil.copy2(wheel, wheel_dir / wheel.name)
