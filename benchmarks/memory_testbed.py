@@ -160,11 +160,10 @@ def ring_run(devices: list[Device], model: Path, work: Path, *, rounds: int, fla
 
     layout = read_layout(model)
     layer_bytes = sum(layout.layer_bytes(il) for il in range(layout.n_layer)) / layout.n_layer
-    with Testbed(devices, model, work, node_args=flags) as tb:
-        watch = MemoryWatch(tb.groups).start()
-        p, sizes = running_windows(tb, devices, model, rounds)
-        if split == "hand":
-            sizes = memory_then_disk(devices, layer_bytes, layout.n_layer // rounds, rounds)
+    with Testbed(devices, model, work, node_args=flags) as tb, MemoryWatch(tb.groups) as watch:
+        p = ring_platform(devices, model, tb.available_bytes())
+        sizes = (model_windows(p, rounds) if split == "model"
+                 else memory_then_disk(devices, layer_bytes, layout.n_layer // rounds, rounds))
         t0 = time.perf_counter()
         llm = primaplug.Llama(model, nodes=tb.addresses, route=tb.route, layers=[*sizes, 0], rounds=rounds,
                               n_ctx=512, n_batch=64, n_ubatch=16, n_threads=threads, node_threads=threads,
@@ -177,7 +176,6 @@ def ring_run(devices: list[Device], model: Path, work: Path, *, rounds: int, fla
             statuses = [n.status(detail=True) for n in llm.cluster.nodes]
             processes = watch.processes()
         finally:
-            watch.stop()
             llm.close()
         peaks = tb.peak_memory_bytes()
     memory = watch.summary()

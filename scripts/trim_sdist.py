@@ -13,14 +13,15 @@ against its sha256 first (the build cannot check the copy: docs/install.md, "Off
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 import tarfile
 from pathlib import Path
 
-VERSION = "0.3.36"
-SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"  # primaplug/engine/build.py's
-ROOT = f"llama_cpp_python-{VERSION}/"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from build_engine import load_build  # noqa: E402  (primaplug/engine/build.py by its path: the pinned sdist)
+
+build = load_build()
+ROOT = f"llama_cpp_python-{build.VERSION}/"
 VENDOR = ROOT + "vendor/llama.cpp/"
 DROPPED = (ROOT + ".git/", ROOT + "docs/", ROOT + "tests/", ROOT + "examples/",
            *(VENDOR + d for d in ("docs/", "models/", "tools/", "tests/", "examples/", "benches/", "media/",
@@ -42,16 +43,17 @@ def kept(name: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    cache = Path.home() / ".cache" / "primaplug" / "sdist" / f"llama_cpp_python-{VERSION}.tar.gz"
+    cache = build.cache_dir() / "sdist" / build.SDIST_NAME
     ap.add_argument("--sdist", type=Path, default=cache, help=f"the pinned sdist (default {cache})")
     ap.add_argument("--out", type=Path, default=Path("llama-cpp-python-src.tar.gz"))
     a = ap.parse_args(argv)
     if not a.sdist.exists():
         print(f"trim_sdist: {a.sdist} is missing: `primaplug engine build` downloads it once", file=sys.stderr)
         return 2
-    digest = hashlib.sha256(a.sdist.read_bytes()).hexdigest()
-    if digest != SDIST_SHA256:
-        print(f"trim_sdist: {a.sdist} has sha256 {digest}, not the pinned sdist's {SDIST_SHA256}", file=sys.stderr)
+    digest = build.sha256_of(a.sdist)
+    if digest != build.SDIST_SHA256:
+        print(f"trim_sdist: {a.sdist} has sha256 {digest}, not the pinned sdist's {build.SDIST_SHA256}",
+              file=sys.stderr)
         return 2
     n = 0
     with tarfile.open(a.sdist) as src, tarfile.open(a.out, "w:gz") as dst:

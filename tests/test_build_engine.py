@@ -283,6 +283,12 @@ def test_a_local_source_replaces_the_sdist_and_has_its_own_key(build, monkeypatc
     monkeypatch.setenv("PRIMAPLUG_ENGINE_SOURCE", str(tmp_path / "missing.tar.gz"))
     with pytest.raises(build.BuildError, match="no such file or folder"):
         build.engine_source(sys.executable, io.StringIO())
+    other = tmp_path / "other.tar.gz"  # a tarball of something else
+    with tarfile.open(other, "w:gz") as tar:
+        tar.add(tree / "llama_cpp", arcname="llama_cpp")
+    (tmp_path / "unpacked-other").mkdir()
+    with pytest.raises(build.BuildError, match=f"holds no llama_cpp_python-{build.VERSION}/ folder"):
+        build.unpack_source(other, tmp_path / "unpacked-other")
 
 
 def test_the_trimmed_sdist_keeps_what_the_build_reads() -> None:

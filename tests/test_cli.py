@@ -170,3 +170,9 @@ def test_plan_and_run_with_a_draft(gemma_path) -> None:
                   "--draft-max", "2")
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "draft_min <= draft_max" in out.stderr and "got 3 and 2" in out.stderr
+
+
+@pytest.mark.parametrize("args", [["--stream-room", "0"], ["--stream-room", "2", "--layer-streaming", "off"]])
+def test_a_node_refuses_a_stream_room_it_cannot_use_before_anything_opens(args: list[str]) -> None:
+    out = run_cli("node", "-m", "no-such-model.gguf", *args)
+    assert out.returncode == 2 and "--stream-room" in out.stderr and "1 or more" in out.stderr, out.stderr

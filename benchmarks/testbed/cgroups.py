@@ -130,7 +130,7 @@ class Cgroup:
     def preexec(self) -> None:
         self.add(os.getpid())
 
-    def _memory_dir(self) -> Path:
+    def memory_dir(self) -> Path:
         for d in self.dirs:
             if (d / "memory.limit_in_bytes").exists() or (d / "memory.max").exists():
                 return d
@@ -138,7 +138,7 @@ class Cgroup:
 
     def set_memory(self, nbytes: int) -> None:
         """Change the memory cap now (the kernel reclaims down to it)."""
-        d = self._memory_dir()
+        d = self.memory_dir()
         v1 = (d / "memory.limit_in_bytes").exists()
         if (v1 and (d / "memory.memsw.limit_in_bytes").exists()
                 and nbytes > int((d / "memory.limit_in_bytes").read_text())):
@@ -151,7 +151,7 @@ class Cgroup:
         """Memory in use less page cache: what the node counts as used (primaplug/memory/system.py)."""
         from primaplug.memory.system import file_cache_bytes
 
-        d = self._memory_dir()
+        d = self.memory_dir()
         usage = d / ("memory.usage_in_bytes" if (d / "memory.usage_in_bytes").exists() else "memory.current")
         return int(usage.read_text()) - file_cache_bytes((d / "memory.stat").read_text())
 

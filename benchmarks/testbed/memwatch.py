@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.testbed.cgroups import Cgroup
+from primaplug.memory.system import file_cache_bytes
 
 MIB = 1 << 20
 
@@ -26,16 +27,16 @@ def _stat(text: str) -> dict[str, int]:
 
 
 def sample_group(d: Path) -> dict[str, int]:
-    """One cgroup's memory now, in bytes: usage, anon (rss), file (page cache), kernel, shmem; v1 or v2."""
+    """One cgroup's memory now, in bytes: usage, anon (rss), file (page cache, as the node counts it:
+    memory/system.py: file_cache_bytes), kernel, shmem; v1 or v2."""
+    text = (d / "memory.stat").read_text()
+    s, file = _stat(text), file_cache_bytes(text)
     if (d / "memory.usage_in_bytes").exists():  # v1: total_* count the children
-        s = _stat((d / "memory.stat").read_text())
         kmem = d / "memory.kmem.usage_in_bytes"
         return {"usage": int((d / "memory.usage_in_bytes").read_text()), "anon": s.get("total_rss", 0),
-                "file": s.get("total_active_file", 0) + s.get("total_inactive_file", 0),
-                "kernel": int(kmem.read_text()) if kmem.exists() else 0, "shmem": s.get("total_shmem", 0)}
-    s = _stat((d / "memory.stat").read_text())
-    return {"usage": int((d / "memory.current").read_text()), "anon": s.get("anon", 0),
-            "file": s.get("active_file", 0) + s.get("inactive_file", 0),
+                "file": file, "kernel": int(kmem.read_text()) if kmem.exists() else 0,
+                "shmem": s.get("total_shmem", 0)}
+    return {"usage": int((d / "memory.current").read_text()), "anon": s.get("anon", 0), "file": file,
             "kernel": s.get("kernel", s.get("slab", 0) + s.get("pagetables", 0) + s.get("kernel_stack", 0)),
             "shmem": s.get("shmem", 0)}
 
@@ -73,11 +74,12 @@ def anon_by_mapping(smaps: str, top: int = 6) -> dict[str, Any]:
 
 
 class MemoryWatch:
-    """Samples the devices' cgroups every `interval_s` from start() to stop(); `mark(name)` records a sample
-    under a name. `summary()`: per device, the marks and the largest usage less page cache, in MiB."""
+    """Samples the devices' cgroups every `interval_s` from start() to stop() (`with MemoryWatch(...) as watch:`
+    does both); `mark(name)` records a sample under a name. `summary()`: per device, the marks and the largest usage
+    less page cache, in MiB."""
 
     def __init__(self, groups: Sequence[Cgroup], interval_s: float = 0.25) -> None:
-        self.dirs = [g._memory_dir() for g in groups]
+        self.dirs = [g.memory_dir() for g in groups]
         self.names = [g.name for g in groups]
         self.interval_s = interval_s
         self.marks: list[tuple[str, float, list[dict[str, int]]]] = []
@@ -120,6 +122,12 @@ class MemoryWatch:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
+
+    def __enter__(self) -> MemoryWatch:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

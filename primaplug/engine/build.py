@@ -209,6 +209,10 @@ def installed_version(python: str) -> str | None:
     return out.stdout.strip() or None
 
 
+def dotted(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
+
+
 def cmake_version(cmake: str) -> tuple[int, int] | None:
     """(major, minor) that `cmake --version` prints, or None where it does not run: PyPI's cmake is a Python
     wrapper that fails outside the environment it was installed in (seen offline, inside pip's isolated build)."""
@@ -247,7 +251,7 @@ def missing_tools() -> list[str]:
         missing.append(f"a cmake that runs ({cmake} does not: `cmake --version` failed; PyPI's cmake runs only in "
                        "the environment it was installed in, install your system's: apt install cmake)")
     elif version < CMAKE_MIN:
-        missing.append(f"cmake {CMAKE_MIN[0]}.{CMAKE_MIN[1]} or newer ({cmake} is {version[0]}.{version[1]})")
+        missing.append(f"cmake {dotted(CMAKE_MIN)} or newer ({cmake} is {dotted(version)})")
     if not (os.environ.get("CC") or any(shutil.which(c) for c in ("cc", "gcc", "clang"))):
         missing.append("a C compiler (cc, gcc or clang)")
     if not (os.environ.get("CXX") or any(shutil.which(c) for c in ("c++", "g++", "clang++"))):
@@ -360,11 +364,11 @@ def build_wheel(python: str, sdist: Path, gpu: str, key: str, out_dir: Path, out
         offline = backend is not None and backend >= BACKEND_MIN
         cmd = [python, "-m", "pip", "wheel", "-v", "--no-deps", *(["--no-build-isolation"] if offline else []),
                "-w", str(out_dir), str(src)]
-        print("engine: " + (f"building with this environment's scikit-build-core {'.'.join(map(str, backend))} "
+        print("engine: " + (f"building with this environment's scikit-build-core {dotted(backend)} "
                             "and the cmake on PATH (no download)" if offline else
                             "pip builds in an isolated environment, which downloads scikit-build-core (and cmake, "
-                            "where the one on PATH is older than 3.21) from PyPI; without a network, install "
-                            "scikit-build-core into this environment first"), file=out, flush=True)
+                            f"where the one on PATH is older than {dotted(CMAKE_MIN)}) from PyPI; without a network, "
+                            "install scikit-build-core into this environment first"), file=out, flush=True)
         print(f"engine: building {DIST} {VERSION} with primaplug's patches ({gpu}); this takes several minutes "
               f"(about 4 on 2 cores for the CPU). Log: {log_path}", file=out, flush=True)
         print(f"engine: CMake flags: {env['CMAKE_ARGS']}", file=out, flush=True)
@@ -374,9 +378,9 @@ def build_wheel(python: str, sdist: Path, gpu: str, key: str, out_dir: Path, out
             if offline or "satisfies the requirement" not in log_path.read_text(errors="replace"):
                 raise
             raise BuildError(f"{e}\npip could not download the build's tools (no network?): install "
-                             f"scikit-build-core>={'.'.join(map(str, BACKEND_MIN))} into the environment of {python} "
-                             "(pip install scikit-build-core) and have cmake 3.21 or newer on PATH, then run again: "
-                             "the build then downloads nothing") from None
+                             f"scikit-build-core>={dotted(BACKEND_MIN)} into the environment of {python} (pip install "
+                             f"scikit-build-core) and have cmake {dotted(CMAKE_MIN)} or newer on PATH, then run "
+                             "again: the build then downloads nothing") from None
     wheels = sorted(out_dir.glob("llama_cpp_python-*.whl"))
     if not wheels:
         raise BuildError(f"the build finished but left no wheel in {out_dir}; see {log_path}")
