@@ -166,6 +166,7 @@ def test_a_local_node_that_dies_is_named_with_its_exit_status_and_its_log(gemma_
     """A node started by the head (--local-nodes) whose process dies: the head's error says so, with how it ended
     (the signal, by name) and where its log is, and that log is kept for the user to read."""
     import argparse
+    import os
     import signal
 
     import psutil
@@ -178,8 +179,11 @@ def test_a_local_node_that_dies_is_named_with_its_exit_status_and_its_log(gemma_
         assert len(addresses) == 1
         (node,) = [c for c in psutil.Process().children() if "node" in c.cmdline()]
         node.send_signal(signal.SIGSEGV)
-        # not node.wait(), which would reap it before the head can read its exit status
-        wait_until(lambda: node.status() == psutil.STATUS_ZOMBIE, "the node has died", 10)
+        # until its exit status can be read (WNOWAIT: not reaped, which would leave the head nothing to read). Not
+        # until it shows as a zombie: a process with threads shows so once its main thread has exited, before the
+        # others have and before its parent can read its status (that wait made this test fail once in a full run)
+        wait_until(lambda: os.waitid(os.P_PID, node.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None,
+                   "the node's exit status can be read", 10)
         raise NodeUnavailableError("node1", "node node1 did not answer GetProfile")
     message = str(caught.value)
     assert "did not answer GetProfile" in message and "was killed by SIGSEGV" in message, message
