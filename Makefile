@@ -13,7 +13,7 @@ PY     := $(VENV)/bin/python
 PROMPT ?= The three primary colors are
 STAMP  := $(VENV)/.primaplug-installed
 
-.PHONY: run plan test test-slow setup engine bench bench-testbed clean
+.PHONY: run plan test test-slow rungs setup engine bench bench-testbed clean
 
 run: setup
 	$(PY) -m primaplug run --local-nodes 3 --scheduler even -p "$(PROMPT)" -n 48 --verify
@@ -61,3 +61,8 @@ bench-testbed: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# the other platforms of the slow rung (scripts/rungs/, docs/platforms.md): Debian 13, aarch64 under qemu-user and a
+# ring that mixes ARM and x86 (root: chroots), the engine with ASan/UBSan; each skips saying what it lacks
+rungs: setup
+	$(PY) -m pytest -m slow -v -rs tests/test_rungs.py

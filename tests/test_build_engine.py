@@ -303,3 +303,38 @@ def test_the_trimmed_sdist_keeps_what_the_build_reads() -> None:
     for name in (v + "models/ggml-vocab-qwen2.gguf", v + "docs/ops/CPU.csv", v + "ggml/src/ggml-vulkan/a.cpp",
                  v + "tools/server/server.cpp", trim.ROOT + ".git/modules/x", v + "tests/test-ops.cpp"):
         assert not trim.kept(name), name
+
+
+def test_a_wheel_keeps_only_the_package_and_can_be_retagged(build, tmp_path: Path) -> None:
+    """vendored llama.cpp's install rules put a second copy of every library (and the headers) at the wheel's root:
+    tidy_wheel keeps llama_cpp/ and the metadata, with a RECORD that pip accepts, and retags a cross-built wheel."""
+    import base64
+    import hashlib
+
+    info = "llama_cpp_python-0.3.36+primaplug.cpu.dist-info"
+    wheel = tmp_path / "llama_cpp_python-0.3.36+primaplug.cpu-py3-none-linux_x86_64.whl"
+    files = {"llama_cpp/__init__.py": b"x = 1\n", "llama_cpp/lib/libllama.so": b"\x7fELF lib",
+             "lib/libllama.so": b"\x7fELF lib", "include/llama.h": b"/* h */", f"{info}/METADATA": b"Name: x\n",
+             f"{info}/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: false\nTag: py3-none-linux_x86_64\n"}
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+        z.writestr(f"{info}/RECORD", "".join(f"{n},,\n" for n in files))
+
+    tidy = build.tidy_wheel(wheel)
+    assert tidy == wheel
+    with zipfile.ZipFile(tidy) as z:
+        assert sorted(z.namelist()) == sorted(["llama_cpp/__init__.py", "llama_cpp/lib/libllama.so",
+                                               f"{info}/METADATA", f"{info}/WHEEL", f"{info}/RECORD"])
+        record = dict(ln.split(",", 1) for ln in z.read(f"{info}/RECORD").decode().splitlines())
+        for name in z.namelist():
+            if name.endswith("RECORD"):
+                continue
+            data = z.read(name)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            assert record[name] == f"sha256={digest},{len(data)}"
+
+    arm = build.tidy_wheel(tidy, "linux_aarch64")
+    assert arm.name == "llama_cpp_python-0.3.36+primaplug.cpu-py3-none-linux_aarch64.whl" and not tidy.exists()
+    with zipfile.ZipFile(arm) as z:
+        assert "Tag: py3-none-linux_aarch64" in z.read(f"{info}/WHEEL").decode()

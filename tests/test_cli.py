@@ -7,9 +7,15 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from tests.conftest import synthetic_path
+
+
+def same(n: int) -> str:
+    """What `run --verify` says when the ring gave plain's n tokens and plain's logits for each, bit for bit."""
+    return f"gave the same {n} tokens, and the same logits for each"
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -21,7 +27,7 @@ def test_run_two_rounds_matches_plain_llama(model_dir) -> None:
     out = run_cli("run", "-m", str(path), "-p", "ab cd", "-n", "12", "--layers", "1,2", "--rounds", "3",
                   "--temp", "0.7", "--seed", "5", "-c", "256", "--verify")
     assert out.returncode == 0, out.stderr
-    assert "gave the same 12 tokens" in out.stderr
+    assert same(12) in out.stderr
     assert "TTFT" in out.stderr and "TPOT" in out.stderr and "tokens/s" in out.stderr
     assert "[0, 1) [1, 3) [3, 4) [4, 6) [6, 7) [7, 9)" in out.stderr
 
@@ -43,7 +49,7 @@ def test_verify_without_a_seed_replays_the_drawn_seed(model_dir) -> None:
     generated = re.search(r"generated (\d+);", out.stderr)
     assert "(seed " in out.stderr and generated, out.stderr
     assert 1 <= int(generated[1]) <= 10
-    assert f"gave the same {generated[1]} tokens" in out.stderr, out.stderr
+    assert same(generated[1]) in out.stderr, out.stderr
 
 
 def test_plan_refuses_a_split_by_hand() -> None:
@@ -60,7 +66,7 @@ def test_the_readme_main_command_runs_a_ring_of_local_nodes() -> None:
     assert out.returncode == 0, out.stderr
     assert "ring of 3 node(s) + head, 1 round(s)" in out.stderr
     assert "node1 [0, 6); node2 [6, 12); node3 [12, 18); head the output layer only" in out.stderr
-    assert "gave the same 12 tokens" in out.stderr and "stopped the 3 local nodes" in out.stderr
+    assert same(12) in out.stderr and "stopped the 3 local nodes" in out.stderr
 
 
 @pytest.mark.multiproc
@@ -71,7 +77,7 @@ def test_a_prompt_longer_than_the_batch_runs_through_the_ring() -> None:
                   "--verify", "-p", "the quick brown fox jumps over the lazy dog while seven wizards hex a pale "
                   "jumbo sphinx of black quartz judges my vow")
     assert out.returncode == 0, out.stderr
-    assert "gave the same 8 tokens" in out.stderr and "llama_" not in out.stderr, out.stderr
+    assert same(8) in out.stderr and "llama_" not in out.stderr, out.stderr
 
 
 def test_a_prompt_longer_than_the_context_gets_llama_cpp_pythons_error() -> None:
@@ -81,17 +87,57 @@ def test_a_prompt_longer_than_the_context_gets_llama_cpp_pythons_error() -> None
     assert "Traceback" not in out.stderr and "llama_" not in out.stderr
 
 
-def test_verify_says_where_the_tokens_first_differ(gemma_path) -> None:
-    from primaplug.cli.run import generated, verify
-    from primaplug.engine.reference import plain_llama
+VERIFY_KWARGS = dict(n_ctx=128, verbose=False, seed=1)
+VERIFY_SAMPLING = dict(temp=0.0, top_k=40, top_p=0.95)
 
-    kwargs = dict(n_ctx=128, verbose=False, seed=1)
-    sampling = dict(temp=0.0, top_k=40, top_p=0.95)
-    with plain_llama(gemma_path, **kwargs) as llm:
-        tokens = list(generated(llm, llm.tokenize(b"The sky is"), 6, sampling))
-    assert verify(gemma_path, "The sky is", tokens, kwargs, sampling, 6) == 0
+
+@pytest.fixture(scope="module")
+def sky(gemma_path) -> tuple[list[int], list[int], np.ndarray]:
+    """Plain llama-cpp-python's prompt tokens, 6 greedy tokens and their logits for "The sky is": what a ring that
+    keeps its promise bit for bit would give `run --verify`."""
+    from primaplug.cli.run import generated
+    from primaplug.engine.reference import plain_llama, teacher_forced_logits
+
+    with plain_llama(gemma_path, **VERIFY_KWARGS) as llm:
+        prompt = llm.tokenize(b"The sky is")
+        tokens = list(generated(llm, prompt, 6, VERIFY_SAMPLING))
+        return prompt, tokens, teacher_forced_logits(llm, prompt, tokens)
+
+
+def test_verify_says_where_the_tokens_first_differ(gemma_path, sky) -> None:
+    from primaplug.cli.verify import RingOutput, verify
+
+    (prompt, tokens, logits), kwargs, sampling = sky, VERIFY_KWARGS, VERIFY_SAMPLING
+    one_cpu = {"head": "x86_64 AVX2", "node1": "x86_64 AVX2"}
+    assert verify(gemma_path, "The sky is", RingOutput(prompt, tokens, logits, one_cpu), kwargs, sampling, 6) == 0
     changed = [*tokens[:3], tokens[3] + 1, *tokens[4:]]
-    assert verify(gemma_path, "The sky is", changed, kwargs, sampling, 6) == 1
+    assert verify(gemma_path, "The sky is", RingOutput(prompt, changed, None, one_cpu), kwargs, sampling, 6) == 1
+    # the same tokens from logits that are not plain's: refused on a ring of one CPU's kernels
+    nudged = logits + np.float32(1e-3)
+    assert verify(gemma_path, "The sky is", RingOutput(prompt, tokens, nudged, one_cpu), kwargs, sampling, 6) == 1
+
+
+def test_verify_holds_a_ring_of_mixed_cpus_to_the_measured_distance(gemma_path, sky, capfd) -> None:
+    from primaplug.cli.verify import MIXED_KERNELS_TOLERANCE, RingOutput, verify
+
+    (prompt, tokens, logits), kwargs, sampling = sky, VERIFY_KWARGS, VERIFY_SAMPLING
+    mixed = {"head": "x86_64 AVX2 FMA", "phone": "aarch64 NEON DOTPROD"}
+    assert not RingOutput(prompt, tokens, None, mixed).exact
+    assert not RingOutput(prompt, tokens, None, {"head": "x86_64 AVX2 FMA + GPU"}).exact  # GPU kernels round apart
+    assert RingOutput(prompt, tokens, None, {"head": "x86_64 AVX2 FMA", "old node": ""}).exact
+    scale = np.abs(logits).max(axis=1, keepdims=True)  # the tolerance is a fraction of each row's largest |logit|
+    rounded = logits + (MIXED_KERNELS_TOLERANCE / 2) * scale
+    assert verify(gemma_path, "The sky is", RingOutput(prompt, tokens, rounded, mixed), kwargs, sampling, 6) == 0
+    err = capfd.readouterr().err
+    assert "mixes kernels" in err and "aarch64 NEON DOTPROD" in err and "within the mixed-kernel promise" in err
+    # far from plain's logits: outside the promise, though every token is plain's
+    far = logits.copy()
+    far[:, :1] += 2 * MIXED_KERNELS_TOLERANCE * scale
+    assert verify(gemma_path, "The sky is", RingOutput(prompt, tokens, far, mixed), kwargs, sampling, 6) == 1
+    # a token that is not plain's where plain's choice was no near tie: outside it too
+    changed = [*tokens[:3], tokens[3] + 1, *tokens[4:]]
+    assert verify(gemma_path, "The sky is", RingOutput(prompt, changed, logits, mixed), kwargs, sampling, 6) == 1
+    assert "more than twice the rounding distance" in capfd.readouterr().err
 
 
 def test_node_help_documents_port_zero_and_relays() -> None:
@@ -129,7 +175,7 @@ def test_synth_writes_a_mixture_of_experts_that_runs_split_like_plain(tmp_path) 
     assert 6e6 < path.stat().st_size < 24e6
     out = run_cli("run", "-m", str(path), "--local-nodes", "2", "--layers", "2,2", "-p", "ab cd", "-n", "8",
                   "--temp", "0", "--verify")
-    assert out.returncode == 0 and "gave the same 8 tokens" in out.stderr, out.stderr
+    assert out.returncode == 0 and same(8) in out.stderr, out.stderr
     out = run_cli("synth", str(tmp_path / "x.gguf"), "--arch", "qwen3moe", "--size", "1M", "--experts", "4",
                   "--experts-used", "5")
     assert out.returncode == 2 and "--experts-used must be between 1 and --experts (4)" in out.stderr
@@ -164,7 +210,7 @@ def test_plan_and_run_with_a_draft(gemma_path) -> None:
     out = run_cli("run", "-m", str(gemma_path), "--layers", "9,9", "--model-draft", "prompt-lookup", "--draft-min",
                   "2", "-p", text, "-n", "16", "--temp", "0", "-c", "512", "--verify")
     assert out.returncode == 0, out.stderr
-    assert "gave the same 16 tokens" in out.stderr
+    assert same(16) in out.stderr
     assert re.search(r"speculation: \d+/\d+ drafted tokens kept", out.stderr), out.stderr
     out = run_cli("run", "-m", str(gemma_path), "--model-draft", "prompt-lookup", "--draft-min", "3",
                   "--draft-max", "2")

@@ -169,7 +169,7 @@ def test_a_ring_of_node_containers_gives_plain_llamas_text(cluster: dict[str, st
                   "--listen", "0.0.0.0", "--scheduler", "even", "-p", PROMPT, "-n", str(N_PREDICT), "--temp", "0",
                   "--verify", check=False)
     assert head.returncode == 0, f"the head container failed:\n{head.stdout}\n{head.stderr[-4000:]}"
-    assert "gave the same" in head.stderr  # --verify, in the head container
+    assert "gave the same" in head.stderr and "the same logits" in head.stderr  # --verify, in the head container
 
     llm = llama_cpp.Llama(cluster["model"], n_ctx=4096, n_batch=512, n_ubatch=512, verbose=False)
     try:

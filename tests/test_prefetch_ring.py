@@ -57,8 +57,10 @@ def test_streaming_windows_prefetch_release_and_keep_the_tokens(streaming_model:
 
 
 def test_a_head_whose_windows_do_not_fit_streams_them(streaming_model: Path, tmp_path: Path) -> None:
-    """The head follows the nodes' memory policy: over budget, its windows are streamed (not repacked) and the
-    ring gives the tokens of the same windows chained in one process without repacking."""
+    """The head follows the nodes' memory policy: over budget, its windows are streamed, and the ring gives the
+    tokens of the same windows chained in one process, with the same kernels: the weights this CPU repacks mapped
+    from the repacked copy, as everywhere (on x86 this model's Q8_0 is repacked by none; on ARM with dotprod it is,
+    into q8_0_4x4, and a chain without repacking parts from the ring at the 8th token: the aarch64 rung)."""
     import numpy as np
 
     import primaplug
@@ -70,7 +72,7 @@ def test_a_head_whose_windows_do_not_fit_streams_them(streaming_model: Path, tmp
     windows = [LayerRange(0, 4), LayerRange(4, 8)]
     settings = ContextSettings(n_ctx=LLAMA_KWARGS["n_ctx"], n_batch=LLAMA_KWARGS["n_batch"],
                                n_ubatch=LLAMA_KWARGS["n_ubatch"], n_threads=2)
-    with Model(streaming_model, windows, repack=False) as m:
+    with Model(streaming_model, windows) as m:
         chain = WindowChain(m, windows, settings=settings)
         expected, pos, logits = [], len(prompt), chain.forward(prompt, 0)
         for _ in range(12):

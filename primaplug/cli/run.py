@@ -7,10 +7,10 @@ import argparse
 import random
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from primaplug.cli.common import llama_kwargs, model_path, ring_flags, ring_llama, say
+from primaplug.cli.verify import RingOutput, verify
 from primaplug.core import PrimaplugError, even_split
 
 
@@ -25,7 +25,9 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--top-p", type=float, default=0.95)
     run.add_argument("--seed", type=int, default=None, help="sampling seed (default: drawn, and printed)")
     run.add_argument("--verify", action="store_true",
-                     help="also generate with plain llama-cpp-python on the whole model and compare the tokens")
+                     help="also generate with plain llama-cpp-python on the whole model and compare the tokens and "
+                          "each token's logits: equal bit for bit on a ring of one CPU's kernels, within a measured "
+                          "distance on one that mixes CPUs (docs/platforms.md)")
     ring_flags(run)
     run.set_defaults(func=main)
 
@@ -47,10 +49,17 @@ def main(args: argparse.Namespace) -> int:
     with ring_llama(args, path, kwargs) as llm:
         prompt = llm.tokenize(args.prompt.encode())
         n_predict = _room(prompt, args.n_predict, len(llm.input_ids))  # the n_ctx asked for (see RingLlama.eval)
+        if args.verify:
+            llm.keep_logits()
         tokens = _stream(llm, args.prompt, prompt, n_predict, sampling, seed)
         llm.cluster.metrics()  # each node's memory and work, shown by the event lines
+        if args.verify:
+            from primaplug.engine import cpu_kernels
+
+            logits = llm.scores[len(prompt) - 1 : len(prompt) - 1 + len(tokens)].copy()
+            ring = RingOutput(prompt, tokens, logits, llm.cluster.kernels(cpu_kernels()))
     if args.verify:
-        return verify(path, args.prompt, tokens, kwargs, sampling, n_predict)
+        return verify(path, args.prompt, ring, kwargs, sampling, n_predict)
     return 0
 
 
@@ -99,31 +108,3 @@ def _stream(llm: Any, text: str, prompt: list[int], n_predict: int, sampling: di
     if getattr(llm, "speculation", None) is not None:
         say(f"speculation: {llm.speculation.stats.describe()}")
     return out
-
-
-def verify(path: Path, text: str, tokens: list[int], kwargs: dict[str, Any], sampling: dict[str, Any],
-           n_predict: int) -> int:
-    """Generate again with plain llama-cpp-python on the whole model, same seed, and compare the tokens; say where
-    they first differ."""
-    from primaplug.engine.reference import plain_llama
-
-    t0 = time.perf_counter()
-    with plain_llama(path, **kwargs) as llm:
-        plain = list(generated(llm, llm.tokenize(text.encode()), n_predict, sampling))
-        where = next((i for i, (a, b) in enumerate(zip(tokens, plain, strict=False)) if a != b), None)
-        if where is None and len(tokens) != len(plain):
-            where = min(len(tokens), len(plain))
-        if where is None:
-            say(f"plain llama-cpp-python on the whole model gave the same {len(plain)} tokens "
-                f"({time.perf_counter() - t0:.1f} s)")
-            return 0
-
-        def show(seq: list[int]) -> str:
-            return repr(llm.detokenize(seq[where : where + 1]).decode("utf-8", "replace")) if where < len(seq) \
-                else "the end"
-
-        say(f"plain llama-cpp-python on the whole model gave DIFFERENT tokens: they first differ at generated token "
-            f"{where + 1} of {max(len(tokens), len(plain))}, where the ring gave {show(tokens)} "
-            f"({tokens[where] if where < len(tokens) else '-'}) and plain gave {show(plain)} "
-            f"({plain[where] if where < len(plain) else '-'})")
-    return 1

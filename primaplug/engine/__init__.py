@@ -35,10 +35,11 @@ _LAZY = {
     "BUSY_POLL": "primaplug.engine.model",
     "one_per_context": "primaplug.engine.model",
     "WindowChain": "primaplug.engine.chain",
+    "cpu_kernels": "primaplug.engine._native",
 }
 
 __all__ = ["SUPPORTED_ARCHS", "ContextSettings", "Model", "ModelLayout", "TensorSpan", "Window", "WindowChain",
-           "bindings_only", "one_per_context", "read_layout"]
+           "bindings_only", "cpu_kernels", "one_per_context", "read_layout"]
 
 
 def __getattr__(name: str) -> Any:

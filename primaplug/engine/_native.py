@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import sys
 
 import llama_cpp
@@ -191,6 +192,22 @@ ggml_threadpool_resume.restype = None
 #                                        ggml_threadpool_t threadpool_batch);
 llama_attach_threadpool = _bind("llama_attach_threadpool", [_ll.llama_context_p_ctypes, ctypes.c_void_p,
                                                             ctypes.c_void_p], None)
+
+
+def cpu_kernels() -> str:
+    """Which kernels this engine's CPU backend runs: the machine, and the features llama.cpp was built with and sees
+    (llama_print_system_info's CPU part: "x86_64 SSE3 ... AVX2 FMA ... REPACK"). Devices of one string round every
+    operation alike; a ring of devices of several cannot give plain llama-cpp-python's logits on any one of them bit
+    for bit (docs/platforms.md, "Rings that mix CPUs")."""
+    features, in_cpu = [], False
+    for part in (_ll.llama_print_system_info() or b"").decode(errors="replace").split("|"):
+        if " : " in part:
+            backend, part = part.split(" : ", 1)
+            in_cpu = backend.strip() == "CPU"
+        name, _, value = part.partition("=")
+        if in_cpu and value.strip() not in ("", "0"):
+            features.append(name.strip() if value.strip() == "1" else f"{name.strip()}={value.strip()}")
+    return " ".join([platform.machine(), *features])
 
 
 def supported_archs() -> tuple[str, ...]:

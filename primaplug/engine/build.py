@@ -17,6 +17,7 @@ primaplug/engine/patches, setup.py) or, in a source checkout, in the repository'
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
 import os
 import platform
@@ -27,6 +28,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -63,6 +65,9 @@ GPU_FLAGS = {
 # was stored three times (libggml-cuda.so, .so.0, .so.0.x: a 260 MB CUDA wheel, 15 MB for the CPU's; 5 MB without)
 BASE_FLAGS = ["-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_OPENMP=OFF",
               "-DCMAKE_PLATFORM_NO_VERSIONED_SONAME=ON"]
+
+# what tidy_wheel leaves in a wheel; part of the build key, so that wheels cached before it changed are built again
+WHEEL_LAYOUT = "llama_cpp and its metadata only"
 
 _LABEL = re.compile(
     r"^(?P<version>[^+]+)\+primaplug\."
@@ -157,7 +162,7 @@ def build_key(gpu: str) -> str:
     platform and, for native builds, the CPU."""
     h = hashlib.sha256()
     source = SDIST_SHA256 if local_source() is None else "local source"
-    for part in (VERSION, source, " ".join(cmake_flags(gpu)), platform.machine(), sys.platform):
+    for part in (VERSION, source, WHEEL_LAYOUT, " ".join(cmake_flags(gpu)), platform.machine(), sys.platform):
         h.update(part.encode() + b"\0")
     h.update(_series_bytes())
     if "-DGGML_NATIVE=OFF" not in cmake_flags(gpu):
@@ -384,7 +389,37 @@ def build_wheel(python: str, sdist: Path, gpu: str, key: str, out_dir: Path, out
     wheels = sorted(out_dir.glob("llama_cpp_python-*.whl"))
     if not wheels:
         raise BuildError(f"the build finished but left no wheel in {out_dir}; see {log_path}")
-    return wheels[-1]
+    return tidy_wheel(wheels[-1])
+
+
+def tidy_wheel(wheel: Path, platform_tag: str | None = None) -> Path:
+    """The wheel without what vendored llama.cpp's own install rules add beside the package (lib/, include/ at the
+    wheel's root: a second copy of every library, 59 MB more for CUDA's, installed into site-packages/lib), and
+    with platform_tag in place of the building machine's (a cross-compiled engine: scripts/rungs/cross_engine.py).
+    Rewrites the wheel in place, or under its new name; returns it."""
+    name, version, py, abi, tag = wheel.name[:-len(".whl")].split("-")
+    dest = wheel.with_name(f"{name}-{version}-{py}-{abi}-{platform_tag or tag}.whl")
+    tmp = wheel.with_name(dest.name + ".tmp")
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as dst:
+        names = src.namelist()
+        info_dir = next(n for n in names if n.endswith(".dist-info/RECORD"))[:-len("RECORD")]
+        kept = [i for i in src.infolist() if i.filename.startswith(("llama_cpp/", info_dir))]
+        meta = src.read(info_dir + "WHEEL").decode()
+        if platform_tag:
+            meta = "".join(f"Tag: {py}-{abi}-{platform_tag}\n" if ln.startswith("Tag:") else ln
+                           for ln in meta.splitlines(keepends=True))
+        record = []
+        for info in kept:
+            data = meta.encode() if info.filename == info_dir + "WHEEL" else src.read(info.filename)
+            if info.filename != info_dir + "RECORD":
+                dst.writestr(info, data)
+                digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+                record.append(f"{info.filename},sha256={digest},{len(data)}")
+        record.append(f"{info_dir}RECORD,,")
+        dst.writestr(info_dir + "RECORD", "\n".join(record) + "\n")
+    wheel.unlink()
+    tmp.rename(dest)
+    return dest
 
 
 def run_with_progress(cmd: list[str], env: dict[str, str], log_path: Path, out: TextIO) -> None:

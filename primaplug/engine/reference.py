@@ -47,6 +47,19 @@ def plain_llama(path: str | os.PathLike[str], **kwargs: Any) -> Iterator[llama_c
         llm.close()
 
 
+def teacher_forced_logits(llm: llama_cpp.Llama, prompt: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+    """The logits plain llama-cpp-python gives for each of `tokens` when fed the prompt and the tokens before it
+    (one row per token: the prompt as one batch, then one token per decode, as generating decodes them), whatever
+    it would have chosen itself."""
+    n_vocab = llm.n_vocab()
+    rows = np.empty((len(tokens), n_vocab), dtype=np.float32)
+    llm.reset()
+    for i, step in enumerate([list(prompt)] + [[t] for t in tokens[:-1]]):
+        llm.eval(step)
+        rows[i] = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+    return rows
+
+
 def is_eog(llm: llama_cpp.Llama, token: int) -> bool:
     """Whether a token ends a generation (end of turn, end of text), for any llama_cpp.Llama, ring or plain."""
     return bool(llama_cpp.llama_vocab_is_eog(llm._model.vocab, token))

@@ -146,6 +146,7 @@ class RingLlama(llama_cpp.Llama):
         # the rows whose logits eval keeps in self.scores while _logits_all is on: "all", or "last" (a request's
         # logprobs without echo read only the rows before each generated token)
         self._logprob_rows = "all"
+        self._keep_scores = False  # keep_logits(): every trip's rows in self.scores, without asking for more rows
         # llama-cpp-python's generate drafts through draft_model; set after __init__, which would otherwise keep
         # logits for every position of the context (n_ctx x n_vocab floats): the head keeps only a trip's rows
         self.speculation = self.draft_model = speculation
@@ -183,6 +184,15 @@ class RingLlama(llama_cpp.Llama):
         finally:
             self._logits_all, self._logprob_rows = False, "all"
 
+    def keep_logits(self) -> None:
+        """From now on keep in self.scores the logits of the rows each trip returns anyway (the last one, and a
+        draft's), at their positions, without asking the ring for more rows than generating needs (more rows
+        would be computed as a batch, which rounds differently): `run --verify` compares them with plain's."""
+        n_ctx = len(self.input_ids)
+        if len(self.scores) < n_ctx:  # zero pages until written
+            self.scores = np.zeros((n_ctx, self._n_vocab), dtype=np.single)
+        self._keep_scores = True
+
     def eval(self, tokens: Sequence[int]) -> None:
         """Run tokens through the ring from position n_tokens (the session rewinds its prefix to there first); the
         logits land in the head's context, where llama-cpp-python's sampler reads them: of the last row, or of
@@ -204,7 +214,7 @@ class RingLlama(llama_cpp.Llama):
             if pos + len(logits) <= first:
                 return
             logits, pos = (logits[first - pos :], first) if pos < first else (logits, pos)
-            if self._logits_all:  # logprobs read them here
+            if self._logits_all or self._keep_scores:  # logprobs (and run --verify) read them here
                 self.scores[pos : pos + len(logits), :] = logits
             self._out.set_logits(logits)
 

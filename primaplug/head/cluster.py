@@ -154,6 +154,19 @@ class Cluster:
                             f"the head runs {self.model.file_name} ({self.model.identity}), but " + "; ".join(wrong)
                             + ". Start every node with --model pointing at the same file.")
 
+    def kernels(self, head_cpu: str) -> dict[str, str]:
+        """The kernels each device of the ring computes with, by name, the head's first (its CPU's: head_cpu): its
+        CPU's (engine.cpu_kernels, a node's from its Welcome; empty from an older node), and "+ GPU" where some of
+        its layers run on a GPU. Devices of different kernels round differently (cli/verify.py)."""
+        def gpu(n: int) -> str:
+            return " + GPU" if n > 0 else ""
+
+        out = {"head": head_cpu + gpu(self.head_gpu)}
+        for i, n in enumerate(self.nodes):
+            if n.welcome is not None:
+                out[n.name] = n.welcome.device.kernels + (gpu(self.node_gpu[i]) if i < len(self.node_gpu) else "")
+        return out
+
     def plan(self) -> None:
         """Turn the settings' window sizes (or an even split over the nodes) into windows per device."""
         s, n_layer = self.settings, self.model.n_layer

@@ -24,7 +24,7 @@ from primaplug.core.settings import DEFAULT_PORT, HEAD_LEASE_S, HEAD_SILENCE_S, 
 from primaplug.core.windows import LayerRange
 from primaplug.device import MemorySettings
 from primaplug.device.memory import reserved_bytes
-from primaplug.engine import ModelLayout, read_layout
+from primaplug.engine import ModelLayout, cpu_kernels, read_layout
 from primaplug.memory.system import memory_view
 from primaplug.node.deployment import Deployment
 from primaplug.node.files import HeldFile
@@ -126,6 +126,7 @@ class Node:
         self.settings = settings
         self.name = settings.name
         self.transport = transport
+        self._kernels = cpu_kernels()  # what Welcome reports: the head compares them (mixed CPUs)
         self._models: dict[str, tuple[HeldFile, ModelLayout, ModelIdentity]] = {}
         try:
             for path in settings.models:
@@ -297,7 +298,8 @@ class Node:
     def _welcome(self) -> Welcome:
         mem = memory_view()  # what this node budgets with, and its profile reports to the planner
         facts = DeviceFacts(os=platform.system(), machine=platform.machine(), cpu_count=os.cpu_count() or 1,
-                            mem_total_bytes=mem.total_bytes, mem_available_bytes=mem.available_bytes)
+                            mem_total_bytes=mem.total_bytes, mem_available_bytes=mem.available_bytes,
+                            kernels=self._kernels)
         return Welcome(proto=PROTOCOL_VERSION, software=__version__, node=self.name,
                        models=tuple(m for _, _, m in self._models.values()), device=facts,
                        ring_endpoint=self.ring.address)

@@ -48,6 +48,9 @@ class DeviceFacts(msgspec.Struct, frozen=True):
     cpu_count: int
     mem_total_bytes: int
     mem_available_bytes: int
+    # the CPU kernels the node's engine runs (engine.cpu_kernels): a ring of several cannot match plain
+    # llama-cpp-python bit for bit; empty from nodes older than the field
+    kernels: str = ""
 
 
 class WindowSpec(msgspec.Struct, frozen=True):
