@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -56,35 +55,21 @@ LAYERS = [6, 6, 6]  # phone, desktop, head
 N_CTX = 1024
 
 
-def free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no two free consecutive ports")
-
-
 @contextmanager
-def node(cmd: Sequence[str], name: str) -> Iterator[str]:
-    """A node process (the command line up to its --listen), its address once it says it is ready."""
-    port = free_port_pair()
-    proc = subprocess.Popen([*cmd, "--listen", f"127.0.0.1:{port}", "--name", name, "--exit-with-parent"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def node(cmd: Sequence[str], name: str, log_dir: Path) -> Iterator[str]:
+    """A node process (its command line up to --listen) on free loopback ports, its address once its "ready" line
+    says which (as head/launch.py's LocalNodes reads it); its log in log_dir."""
+    log_path = log_dir / f"{name}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([*cmd, "--listen", "127.0.0.1:0", "--name", name, "--exit-with-parent"],
+                                stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         assert proc.stdout is not None
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if READY.match(line.strip()):
-                break
-        else:
-            raise RuntimeError(f"node {name} exited before it was ready:\n{''.join(lines[-20:])}")
-        yield f"127.0.0.1:{port}"
+        ready = next((m for m in map(READY.match, (ln.strip() for ln in proc.stdout)) if m), None)
+        if ready is None:
+            raise RuntimeError(f"node {name} exited before it was ready; its log ({log_path}):\n"
+                               + log_path.read_text(errors="replace")[-3000:])
+        yield f"{ready.group(2).removeprefix('tcp://').strip('[]')}:{ready.group(3)}"
     finally:
         proc.terminate()  # the ARM node's wrapper; the node itself goes with its parent (--exit-with-parent)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -167,7 +152,7 @@ def main() -> int:
     x86_node = [sys.executable, "-m", "primaplug", "node", "-m", str(model)]
     arm_node = [str(ARM), "exec", args.cpu, "python", "-m", "primaplug", "node", "-m", chroot_model]
     try:
-        with node(arm_node, "phone") as phone, node(x86_node, "desktop") as desktop:
+        with node(arm_node, "phone", work) as phone, node(x86_node, "desktop", work) as desktop:
             for text in prompts:
                 print(f"mixed_cpus: {text!r}: {n} tokens through phone -> desktop -> head", flush=True)
                 mixed = ring_generation(model, [phone, desktop], LAYERS, text, n)

@@ -15,7 +15,6 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -58,12 +57,11 @@ def main() -> int:
         "-DGGML_NATIVE=OFF", f"-DGGML_CPU_ARM_ARCH={march}"]).strip()
     build = load_build()
     args.out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        built = build.build_engine(sys.executable, "cpu", install_it=False, wheel_dir=Path(tmp))
-        assert built is not None
-        for old in args.out.glob("llama_cpp_python-*.whl"):
-            old.unlink()
-        dest = build.tidy_wheel(Path(shutil.copy2(Path(tmp) / built.name, args.out)), "linux_aarch64")
+    for old in args.out.glob("llama_cpp_python-*.whl"):
+        old.unlink()
+    built = build.build_engine(sys.executable, "cpu", install_it=False, wheel_dir=args.out)
+    assert built is not None
+    dest = build.tidy_wheel(args.out / built.name, "linux_aarch64")  # the copy in --out, retagged
     print(f"cross_engine: {dest} (-march={march}; emulate with QEMU_CPU={qemu_cpu})")
     return 0
 
