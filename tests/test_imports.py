@@ -23,12 +23,13 @@ ALLOWED = {
     "scheduler": {"core", "decoding"},
     "profiler": {"core", "engine", "memory"},
     "device": {"core", "engine", "memory", "profiler"},
-    "node": {"core", "wire", "transport", "engine", "memory", "profiler", "device"},
-    "head": {"core", "wire", "transport", "engine", "memory", "profiler", "scheduler", "device", "decoding"},
+    "store": {"core", "wire", "transport", "engine"},
+    "node": {"core", "wire", "transport", "engine", "memory", "profiler", "device", "store"},
+    "head": {"core", "wire", "transport", "engine", "memory", "profiler", "scheduler", "device", "decoding", "store"},
     "server": {"core"},
     "tui": {"core", "wire", "scheduler", "head"},
     "cli": {"core", "wire", "transport", "engine", "memory", "profiler", "scheduler", "device", "node", "head",
-            "server", "tui", "discovery"},
+            "server", "tui", "discovery", "store"},
 }
 TOP = {"__init__.py": {"head"}, "__main__.py": {"cli"}}  # the package's own top-level modules (Llama, main)
 # outside libraries only one package may import

@@ -27,8 +27,15 @@ authenticated with CurveZMQ. Default: 127.0.0.1:{DEFAULT_PORT}."""
 def add_parser(sub: Any) -> None:
     node = sub.add_parser("node", help="run a node daemon that serves windows of a model to a ring",
                           description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    node.add_argument("-m", "--model", action="append", required=True,
+    node.add_argument("-m", "--model", action="append", default=[],
                       help="GGUF file this node may load (repeat for several); no other file is ever opened")
+    node.add_argument("--model-dir", metavar="DIR",
+                      help="folder where the node keeps the parts of models it fetches from the cluster: a head whose "
+                      "model it lacks sends it exactly its windows' layers, checked piece by piece "
+                      "(docs/distribute.md)")
+    node.add_argument("--disk-budget", type=int, metavar="MiB",
+                      help="what the model folder's copies may take on disk; layers no longer run go oldest first "
+                      "(default: the disk's free space at start, less 1 GiB)")
     node.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_PORT}",
                       help=f"HOST:PORT of the control channel; the ring uses PORT+1; port 0: any free ports (a pair) "
                            f"(default 127.0.0.1:{DEFAULT_PORT})")
@@ -105,7 +112,9 @@ def main(args: argparse.Namespace) -> int:
                             name=args.name or platform.node(), secure=keys is not None, memory=memory,
                             profile_dir=Path(args.profile_dir) if args.profile_dir else None,
                             pin_threads={"auto": None, "0": False, "1": True}[args.cpu_strict],
-                            release_after_s=args.release_after, exit_with_parent=args.exit_with_parent)
+                            release_after_s=args.release_after, exit_with_parent=args.exit_with_parent,
+                            model_dir=Path(args.model_dir) if args.model_dir else None,
+                            disk_budget_bytes=args.disk_budget << 20 if args.disk_budget is not None else None)
     transport = ZmqTransport(keys)
     try:
         node = Node(settings, transport)

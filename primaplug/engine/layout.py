@@ -271,6 +271,40 @@ def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in out]
 
 
+# --- units: the parts of a file a set of layers reads ------------------------------------------------------
+
+INPUT, OUTPUT, GLOBALS = "input", "output", "globals"
+
+
+def units_for(layout: ModelLayout, cpu_layers: Iterable[int], gpu_layers: Iterable[int], output: bool) -> list[str]:
+    """The parts of the file a model of these layers (and the output layer) reads."""
+    cpu, gpu = sorted(set(cpu_layers)), sorted(set(gpu_layers))
+    units = [GLOBALS] + [f"blk.{il}" for il in cpu] + [f"blk.{il}.raw" for il in gpu]
+    if 0 in cpu + gpu or (output and layout.output_tied):
+        units.append(INPUT)  # the token embedding: the first window looks tokens up; a tied lm_head copies it
+    if output:
+        units.append(OUTPUT)
+    return units
+
+
+def layer_of_unit(unit: str) -> int | None:
+    return int(unit.split(".")[1]) if unit.startswith("blk.") else None
+
+
+def unit_tensors(layout: ModelLayout, unit: str) -> list[TensorSpan]:
+    il = layer_of_unit(unit)
+    if il is not None:
+        return list(layout.layer_tensors(il))
+    embd = layout.tensor("token_embd.weight")
+    if unit == INPUT:
+        return [embd] if embd else []
+    out = [t for t in layout.output_tensors if t is not embd]  # a tied lm_head is the input unit's tensor
+    if unit == OUTPUT:
+        return out
+    taken = {t.name for t in out} | {"token_embd.weight"}
+    return [t for t in layout.tensors if t.layer is None and t.name not in taken]
+
+
 # --- parsing ---------------------------------------------------------------------------------------------
 
 

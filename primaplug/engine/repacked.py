@@ -46,7 +46,16 @@ from primaplug.core.errors import EngineError
 from primaplug.core.settings import cache_root
 from primaplug.engine import _native
 from primaplug.engine._filelock import exclusive
-from primaplug.engine.layout import REPACKABLE, ModelLayout, TensorSpan
+from primaplug.engine.layout import (
+    INPUT,
+    OUTPUT,
+    REPACKABLE,
+    ModelLayout,
+    TensorSpan,
+    layer_of_unit,
+    unit_tensors,
+    units_for,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +65,6 @@ FORMAT = 1  # of the manifest beside each copy
 CHUNK_BYTES = 256 << 20  # layers repacked per load while building (default): the anonymous memory a build takes
 # the parts of a copy, each written whole: "blk.N" (a CPU layer, repacked), "blk.N.raw" (a GPU layer: the GPU
 # backend takes the file's bytes), and the tensors outside layers
-INPUT, OUTPUT, GLOBALS = "input", "output", "globals"
 
 
 def default_dir() -> Path:
@@ -82,44 +90,15 @@ class RepackedCopy:
     built_bytes: int  # written by this call (0 when everything was there)
 
 
-def units_for(layout: ModelLayout, cpu_layers: Iterable[int], gpu_layers: Iterable[int], output: bool) -> list[str]:
-    """The parts of the file a model of these layers (and the output layer) reads."""
-    cpu, gpu = sorted(set(cpu_layers)), sorted(set(gpu_layers))
-    units = [GLOBALS] + [f"blk.{il}" for il in cpu] + [f"blk.{il}.raw" for il in gpu]
-    if 0 in cpu + gpu or (output and layout.output_tied):
-        units.append(INPUT)  # the token embedding: the first window looks tokens up; a tied lm_head copies it
-    if output:
-        units.append(OUTPUT)
-    return units
-
-
 def needs_copy(layout: ModelLayout, cpu_layers: Iterable[int], output: bool) -> bool:
     """Whether any weight these CPU layers (or the output layer) run might be repacked."""
     units = units_for(layout, cpu_layers, (), output)
     return any(t.type_name in REPACKABLE for u in units if u != INPUT for t in unit_tensors(layout, u))
 
 
-def _layer_of(unit: str) -> int | None:
-    return int(unit.split(".")[1]) if unit.startswith("blk.") else None
-
-
 def _runs_on_cpu(unit: str) -> bool:
     """A CPU layer or the output layer: the units whose weights llama.cpp may repack."""
     return unit == OUTPUT or (unit.startswith("blk.") and not unit.endswith(".raw"))
-
-
-def unit_tensors(layout: ModelLayout, unit: str) -> list[TensorSpan]:
-    il = _layer_of(unit)
-    if il is not None:
-        return list(layout.layer_tensors(il))
-    embd = layout.tensor("token_embd.weight")
-    if unit == INPUT:
-        return [embd] if embd else []
-    out = [t for t in layout.output_tensors if t is not embd]  # a tied lm_head is the input unit's tensor
-    if unit == OUTPUT:
-        return out
-    taken = {t.name for t in out} | {"token_embd.weight"}
-    return [t for t in layout.tensors if t.layer is None and t.name not in taken]
 
 
 def repacked_copy(layout: ModelLayout, cpu_layers: Iterable[int], gpu_layers: Iterable[int] = (), *, output: bool,
@@ -306,7 +285,7 @@ def _drop_cache(fd: int, offset: int, n: int) -> None:
 
 
 def _describe(units: list[str]) -> str:
-    layers = sorted({il for u in units if (il := _layer_of(u)) is not None})
+    layers = sorted({il for u in units if (il := layer_of_unit(u)) is not None})
     parts = []
     if len(layers) == 1:
         parts.append(f"layer {layers[0]}")

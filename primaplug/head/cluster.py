@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -23,17 +24,20 @@ from primaplug.core.profiles import DeviceProfile
 from primaplug.core.settings import LOAD_TIMEOUT_S, RunSettings
 from primaplug.core.windows import LayerRange, even_split, execution_order, ring_windows
 from primaplug.device import DeviceWindows
-from primaplug.head.events import Deployed, Events, NodeMetrics, NodeProgress
+from primaplug.engine import read_layout
+from primaplug.head.events import Deployed, Events, NodeMetrics, NodeProgress, Notice
 from primaplug.head.identity import Head
 from primaplug.head.nodes import NodeClient
 from primaplug.head.ring import RingHead
 from primaplug.scheduler import Plan
-from primaplug.transport import RingIn, RingOut, Transport, is_loopback, split_address
+from primaplug.store import HolderService, file_manifest
+from primaplug.transport import RingIn, RingOut, Transport, endpoint, is_loopback, split_address
 from primaplug.transport.addresses import on_every_interface, reachable, source_address
 from primaplug.wire import (
     PROTOCOL_VERSION,
     Activation,
     Assignment,
+    FileSource,
     Holder,
     ModelIdentity,
     Part,
@@ -94,6 +98,13 @@ def describe_device(welcome: Welcome) -> str:
     return f"{d.os} {d.machine}, {d.cpu_count} cores, {d.mem_total_bytes / 2**30:.1f} GiB"
 
 
+def can_run(welcome: Welcome, model: ModelIdentity, head_holds_file: bool) -> bool:
+    """Whether a node can run a model's windows: it holds the file, or it fetches (it has a model folder) and the
+    head holds the file to fetch from."""
+    return model.identity in {m.identity for m in welcome.models} or (
+        welcome.device.disk_budget_bytes > 0 and head_holds_file)
+
+
 def held_models(welcome: Welcome) -> str:
     return ", ".join(f"{m.file_name} ({m.identity})" for m in welcome.models) or "no model"
 
@@ -103,7 +114,7 @@ class Cluster:
     and a node belongs to one head at a time). Close it to let the nodes go (they keep running, free for any head)."""
 
     def __init__(self, transport: Transport, settings: ClusterSettings, model: ModelIdentity,
-                 events: Events | None = None, head: Head | None = None) -> None:
+                 events: Events | None = None, head: Head | None = None, model_path: Path | None = None) -> None:
         hosts = [split_address(a)[0] for a in settings.nodes]
         if settings.nodes and transport.keys is None and not is_loopback(settings.listen):
             raise ConfigError(f"refusing to listen on {settings.listen} without encryption, as nodes do: make a "
@@ -116,6 +127,8 @@ class Cluster:
                 raise ConfigError("the last node cannot reach a head listening on loopback: pass --listen with "
                                   "this device's address on the nodes' network")
         self.transport, self.settings, self.model = transport, settings, model
+        self.model_path = model_path  # the head's copy of the model: nodes with a model folder fetch from it
+        self.holder: HolderService | None = None  # serves it to them, once one needs it (store/holder.py)
         self.events = events or Events()
         self.head = head or Head()
         # the ring's output comes back here; a head without nodes has no ring to listen to
@@ -147,12 +160,50 @@ class Cluster:
         wrong = []
         for n, w in zip(self.nodes, welcomes, strict=True):
             self.events.publish(NodeProgress(n.name, "connected", 0.0, describe_device(w)))
-            if self.model.identity not in {m.identity for m in w.models}:
+            if not self.can_serve(w):
                 wrong.append(f"{n} holds {held_models(w)}")
         if wrong:
             raise NodeError(str(self.nodes[0]), "wrong_model",
                             f"the head runs {self.model.file_name} ({self.model.identity}), but " + "; ".join(wrong)
-                            + ". Start every node with --model pointing at the same file.")
+                            + ". Start every node with --model pointing at the same file, or with --model-dir to "
+                            "fetch the layers it runs from the head.")
+
+    # --- nodes that fetch the model (primaplug/store) ------------------------------------------------------------
+
+    def can_serve(self, welcome: Welcome) -> bool:
+        return can_run(welcome, self.model, self.model_path is not None)
+
+    def source(self, n: NodeClient) -> FileSource | None:
+        """Where node n fetches the parts of the model it lacks (None when it holds the file): this head's holder,
+        then the other nodes that keep copies."""
+        w = n.welcome
+        if w is None or self.model.identity in {m.identity for m in w.models}:
+            return None
+        if self.holder is None:
+            self.holder = self._start_holder()
+        here = self.holder.address
+        if on_every_interface(here):
+            here = reachable(here, source_address(split_address(n.address)[0]))
+        peers = [endpoint(*split_address(m.address)) for m in self.nodes if m is not n and m.welcome is not None
+                 and m.welcome.device.disk_budget_bytes > 0]
+        return FileSource(holders=(self.settings.link(n.address, here), *peers),
+                          manifest_sha256=self.holder.file.manifest.digest(), file_name=self.model.file_name)
+
+    def _start_holder(self) -> HolderService:
+        assert self.model_path is not None
+        layout = read_layout(self.model_path)
+        t0 = time.perf_counter()
+        self.events.publish(Notice(f"hashing {self.model.file_name} ({layout.file_size / 2**30:.2f} GiB) for the "
+                                   "nodes that fetch it (once: the hashes are kept until the file changes)"))
+
+        def progress(frac: float, what: str) -> None:
+            log.info("%s", what)
+
+        manifest = file_manifest(self.model_path, layout, progress=progress)
+        holder = HolderService(self.transport, self.settings.listen, self.model_path, manifest)
+        self.events.publish(Notice(f"serving {self.model.file_name} to the nodes that fetch it at {holder.address} "
+                                   f"({len(manifest.offsets)} pieces, hashed in {time.perf_counter() - t0:.1f} s)"))
+        return holder
 
     def kernels(self, head_cpu: str) -> dict[str, str]:
         """The kernels each device of the ring computes with, by name, the head's first (its CPU's: head_cpu): its
@@ -196,7 +247,7 @@ class Cluster:
         out = []
         for n in self.nodes:
             n.unload()
-            p = n.profile(self.model.identity, force=force,
+            p = n.profile(self.model.identity, force=force, source=self.source(n),
                           progress=lambda what, n=n: self.events.publish(NodeProgress(n.name, "profiling", 0.0, what)))
             self.events.publish(NodeProgress(n.name, "profiling", 1.0, "profiled"))
             out.append(msgspec.structs.replace(p, name=n.name))  # unique: connect() told namesakes apart
@@ -209,7 +260,7 @@ class Cluster:
         s, epoch = self.settings, self.epoch - 1
         for i, n in enumerate(self.nodes):
             n.load(Assignment(epoch=epoch, model=self.model, windows=(WindowSpec(0, 0),), successor=self._successor(i),
-                              n_ctx=max(rows, 1), n_batch=max(rows, 1), n_ubatch=max(rows, 1)))
+                              n_ctx=max(rows, 1), n_batch=max(rows, 1), n_ubatch=max(rows, 1)), self.source(n))
         self._wait_loaded(epoch)
         out = self.transport.ring_out(s.link(HEAD, self._ring_endpoint(0)))
         try:
@@ -318,7 +369,7 @@ class Cluster:
             windows = tuple(WindowSpec(r.start, r.end, min(self.node_gpu[i], r.n_layers)) for r in self.node_ranges[i])
             n.load(Assignment(epoch=self.epoch, model=self.model, windows=windows, successor=self._successor(i),
                               n_ctx=s.n_ctx * s.n_parallel, n_batch=s.n_batch, n_ubatch=s.n_ubatch,
-                              n_threads=s.n_threads, n_seq_max=s.n_parallel))
+                              n_threads=s.n_threads, n_seq_max=s.n_parallel), self.source(n))
         t0 = time.perf_counter()
         self._wait_loaded(self.epoch, report=True)
         nodes = tuple((n.name, tuple(r)) for n, r in zip(self.nodes, self.node_ranges, strict=True))
@@ -446,3 +497,5 @@ class Cluster:
             out.close()
         if self.ring_in is not None:
             self.ring_in.close()
+        if self.holder is not None:
+            self.holder.close()

@@ -28,7 +28,7 @@ from primaplug.core.settings import DRAFT_MAX, DRAFT_MIN, RunSettings
 from primaplug.core.windows import even_split
 from primaplug.decoding import check_draft_length
 from primaplug.engine import ModelLayout, read_layout
-from primaplug.head.cluster import Cluster, ClusterSettings, describe_device, held_models, unique_names
+from primaplug.head.cluster import Cluster, ClusterSettings, can_run, describe_device, held_models, unique_names
 from primaplug.head.events import Event, Events, NodeMetrics, NodeProgress, Notice, Planned
 from primaplug.head.identity import Head
 from primaplug.head.nodes import NodeClient
@@ -192,9 +192,9 @@ class Coordinator:
         finally:
             client.close()
         e.own, e.facts, e.error = welcome.node, describe_device(welcome), ""
-        if self.model.identity not in {m.identity for m in welcome.models}:
+        if not can_run(welcome, self.model, head_holds_file=True):
             e.error = (f"holds {held_models(welcome)}, not {self.model.file_name}: restart it with --model pointing "
-                       "at the same file as the head's")
+                       "at the same file as the head's, or with --model-dir to fetch its layers from the head")
             self.events.publish(NodeProgress(e.label, "failed", 0.0, e.error))
 
     # --- measuring and planning ------------------------------------------------------------------------------
@@ -203,7 +203,7 @@ class Coordinator:
         settings = ClusterSettings(nodes=tuple(e.address for e in entries), n_ctx=self.n_ctx, n_batch=self.n_batch,
                                    n_ubatch=self.n_ubatch, n_threads=self.node_threads, listen=self.listen,
                                    timeout_s=self.timeout_s)
-        return Cluster(self.transport, settings, self.model, self.events, self.head)
+        return Cluster(self.transport, settings, self.model, self.events, self.head, model_path=self.path)
 
     def profile(self, force: bool = False) -> Measured:
         """Profile the model, the head, every usable node and the ring's links. Once that is done, nodes added

@@ -43,7 +43,7 @@ class LocalNodes:
     (an emulated device moves itself into its cgroup there, so that all its memory is charged to it).
     """
 
-    def __init__(self, model: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], n: int, *,
+    def __init__(self, model: str | os.PathLike[str] | Sequence[str | os.PathLike[str] | None], n: int, *,
                  log_dir: str | os.PathLike[str], extra_args: Sequence[str] = (),
                  node_args: Sequence[Sequence[str]] | None = None,
                  preexec: Sequence[Callable[[], None] | None] | None = None,
@@ -52,7 +52,7 @@ class LocalNodes:
         for what, seq in (("model", models), ("node_args", node_args), ("preexec", preexec), ("names", names)):
             if seq is not None and len(seq) != n:
                 raise PrimaplugError(f"LocalNodes: {n} nodes but {len(seq)} {what} entries")
-        self.models, self.n = [Path(m) for m in models], n
+        self.models, self.n = [Path(m) if m is not None else None for m in models], n
         self.log_dir = Path(log_dir)
         self.extra_args = list(extra_args)
         self.node_args = [list(a) for a in node_args] if node_args else [[] for _ in range(n)]
@@ -63,7 +63,7 @@ class LocalNodes:
         self._spawned: list[tuple[subprocess.Popen[str], str, Path]] = []
 
     @property
-    def model(self) -> Path:
+    def model(self) -> Path | None:
         return self.models[0]
 
     @property
@@ -82,8 +82,9 @@ class LocalNodes:
         for i in range(self.n):
             name = self.names[i]
             log_path = self.log_dir / f"{name}.log"
-            cmd = [sys.executable, "-m", "primaplug", "node", "--model", str(self.models[i]), "--listen",
-                   "127.0.0.1:0", "--name", name, "--exit-with-parent", *self.extra_args, *self.node_args[i]]
+            model = ["--model", str(self.models[i])] if self.models[i] is not None else []  # None: it fetches
+            cmd = [sys.executable, "-m", "primaplug", "node", *model, "--listen", "127.0.0.1:0", "--name", name,
+                   "--exit-with-parent", *self.extra_args, *self.node_args[i]]
             with open(log_path, "w") as err:
                 proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
                                         preexec_fn=_child_setup(self.preexec[i]))

@@ -19,6 +19,7 @@ from primaplug.wire import (
     ControlReply,
     ControlRequest,
     ErrorReply,
+    FileSource,
     GetProfile,
     GetStatus,
     Hello,
@@ -107,9 +108,10 @@ class NodeClient:
         self.last_status = reply
         return reply
 
-    def load(self, assignment: Assignment) -> Status:
+    def load(self, assignment: Assignment, source: FileSource | None = None) -> Status:
+        """Send the node its windows; `source`: where it fetches the parts of the model it lacks."""
         return self._status_reply(LoadAssignment(assignment=assignment, head=self.head.tag(),
-                                                 take_over=self.head.take_over))
+                                                 take_over=self.head.take_over, source=source))
 
     def status(self, detail: bool = False, timeout_s: float | None = None) -> Status:
         """The node's state; with detail, also its memory measurements (prefetch, faults, residency, pressure)."""
@@ -121,11 +123,13 @@ class NodeClient:
         return h if h is not None and h.head.id != self.head.id else None
 
     def profile(self, model: str, *, force: bool = False, timeout_s: float = LOAD_TIMEOUT_S,
-                progress: Callable[[str], None] | None = None) -> DeviceProfile:
-        """The node's DeviceProfile for the model of that identity, waiting while the node measures itself."""
+                progress: Callable[[str], None] | None = None, source: FileSource | None = None) -> DeviceProfile:
+        """The node's DeviceProfile for the model of that identity, waiting while the node measures itself (and
+        fetches the model's header first, from `source`, where it lacks the file)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            reply = self._ask(GetProfile(model=model, force=force, head=self.head.tag(), take_over=self.head.take_over))
+            reply = self._ask(GetProfile(model=model, force=force, head=self.head.tag(), take_over=self.head.take_over,
+                                         source=source))
             if not isinstance(reply, ProfileReply):
                 raise ProtocolError(f"node {self} answered GetProfile with {type(reply).__name__}")
             if reply.profile is not None:

@@ -118,7 +118,7 @@ class Replanner:
         for n in nodes:
             p = known.get(n.name)
             if p is None:  # joined since: its profile (cached on the node) with the links measured at the start
-                p = msgspec.structs.replace(n.profile(cluster.model.identity), name=n.name,
+                p = msgspec.structs.replace(n.profile(cluster.model.identity, source=cluster.source(n)), name=n.name,
                                             link_latency_s=m.link_latency_s, link_bps=m.link_bps)
             devices.append(p)
         plan = solve(devices, m.model, scheduler=s.scheduler, rounds=cluster.rounds, slow_disk_bps=s.slow_disk_bps,
@@ -355,7 +355,7 @@ class Recovery:
                 if a not in self._departed:
                     n.close()
                 continue
-            if c.model.identity in {m.identity for m in w.models} and free:
+            if c.can_serve(w) and free:
                 found.append(n)  # it leaves _departed once the ring it joins is deployed
             elif a not in self._departed:
                 n.close()

@@ -12,6 +12,7 @@ import os
 import platform
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,14 +32,18 @@ from primaplug.node.files import HeldFile
 from primaplug.node.owner import Ownership
 from primaplug.node.profiling import Profiling
 from primaplug.profiler import gpu
+from primaplug.store import Fetcher, SparseCopy, Store, answer, header_pieces, needed_pieces
 from primaplug.transport import ControlServer, RingIn, Transport, is_loopback
 from primaplug.transport.addresses import parse_endpoint
 from primaplug.wire import (
     PROTOCOL_VERSION,
     Activation,
     Assignment,
+    ControlReply,
     DeviceFacts,
     ErrorReply,
+    FileSource,
+    GetManifest,
     GetProfile,
     GetStatus,
     HeadTag,
@@ -47,6 +52,7 @@ from primaplug.wire import (
     LoadAssignment,
     ModelIdentity,
     ProfileReply,
+    ReadPiece,
     RingError,
     RingFrameError,
     Shutdown,
@@ -74,7 +80,7 @@ STOP_GRACE_S = 3.0
 
 @dataclass(frozen=True)
 class NodeSettings:
-    models: tuple[Path, ...]  # the only files this node will ever open
+    models: tuple[Path, ...]  # the only model files this node will ever open (besides its model folder's copies)
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT  # control; the ring listens on port + 1 (port 0: a free pair)
     name: str = field(default_factory=platform.node)
@@ -88,10 +94,18 @@ class NodeSettings:
     release_after_s: float = HEAD_SILENCE_S
     lease_s: float = HEAD_LEASE_S  # a head that deployed the node holds it while it speaks this often (node/owner.py)
     exit_with_parent: bool = False  # stop when the process that started the node ends (a head's local nodes)
+    # where the node keeps the parts of models it fetches from the cluster (--model-dir; primaplug/store), and what
+    # they may take on its disk (--disk-budget; None: the disk's free space at start, less a margin)
+    model_dir: Path | None = None
+    disk_budget_bytes: int | None = None
 
     def check(self) -> None:
-        if not self.models:
-            raise ConfigError("a node needs at least one --model")
+        if not self.models and self.model_dir is None:
+            raise ConfigError("a node needs a model: --model FILE, or --model-dir DIR to fetch the layers it runs "
+                              "from the head")
+        if self.disk_budget_bytes is not None and (self.model_dir is None or self.disk_budget_bytes < 0):
+            raise ConfigError("--disk-budget is the room of the model folder: give --model-dir, and a size of 0 or "
+                              "more")
         if not self.release_after_s >= 0:  # NaN too
             raise ConfigError(f"--release-after must be 0 (never) or a number of seconds, not {self.release_after_s}")
         for m in self.models:
@@ -128,7 +142,10 @@ class Node:
         self.transport = transport
         self._kernels = cpu_kernels()  # what Welcome reports: the head compares them (mixed CPUs)
         self._models: dict[str, tuple[HeldFile, ModelLayout, ModelIdentity]] = {}
+        self._store: Store | None = None
         try:
+            if settings.model_dir is not None:
+                self._store = Store(settings.model_dir, settings.disk_budget_bytes)
             for path in settings.models:
                 held = HeldFile(path)  # every later read goes through this open file (node/files.py)
                 try:
@@ -165,6 +182,11 @@ class Node:
         self._used_at_start = memory_view().used_bytes  # memory pressure counts from here
         self._profiling = Profiling(self.name, settings.profile_dir)
         self._contact = time.monotonic()  # when a head last sent anything (a control request or a ring message)
+        self._in_use: dict[str, set[int]] = {}  # pieces of its model folder's copies that the loaded windows map
+        self._header: threading.Thread | None = None  # fetching a model's header for a profile request
+        self._header_error: tuple[str, str] = ("", "")  # (model, why) of the last header fetch that failed
+        self._fetched_bytes = 0
+        self._fetch_s = 0.0
 
     # --- main loop -----------------------------------------------------------------------------------------
 
@@ -224,6 +246,8 @@ class Node:
     def _close_models(self) -> None:
         for held, _, _ in self._models.values():
             held.close()
+        if self._store is not None:
+            self._store.close()
 
     def _drop_deployment(self) -> None:
         """Free the current windows (the caller holds the deployment lock)."""
@@ -238,11 +262,13 @@ class Node:
         log.warning("control request refused (%s): %s", code, message)
         return ErrorReply(node=self.name, code=code, message=message, retryable=retryable)
 
-    def _handle_control(self, body: bytes) -> Welcome | Status | ProfileReply | ErrorReply:
+    def _handle_control(self, body: bytes) -> ControlReply:
         try:
             req = decode_request(body)
         except ProtocolError as e:
             return self._error("bad_message", str(e))
+        if isinstance(req, GetManifest | ReadPiece):  # a peer fetching what this node's copies hold
+            return answer(req, self.name, self._store.copies.get if self._store else lambda _m: None)
         if not isinstance(req, Hello):  # a Hello (a health check, a head looking for nodes) is not a head's word
             self._contact = time.monotonic()
         self._owner.heard(getattr(req, "head", None))
@@ -299,7 +325,8 @@ class Node:
         mem = memory_view()  # what this node budgets with, and its profile reports to the planner
         facts = DeviceFacts(os=platform.system(), machine=platform.machine(), cpu_count=os.cpu_count() or 1,
                             mem_total_bytes=mem.total_bytes, mem_available_bytes=mem.available_bytes,
-                            kernels=self._kernels)
+                            kernels=self._kernels,
+                            disk_budget_bytes=self._store.budget_bytes if self._store else 0)
         return Welcome(proto=PROTOCOL_VERSION, software=__version__, node=self.name,
                        models=tuple(m for _, _, m in self._models.values()), device=facts,
                        ring_endpoint=self.ring.address)
@@ -308,7 +335,8 @@ class Node:
         s = self._status
         status = Status(node=self.name, state=s.state, epoch=s.epoch, progress=s.progress, message=s.message,
                         activity=self._activity, last_step=self._last_step, steps_done=self._steps_done,
-                        busy_s=self._busy_s, kv_positions=self._kv_positions, holder=self._owner.holder())
+                        busy_s=self._busy_s, kv_positions=self._kv_positions, holder=self._owner.holder(),
+                        fetched_bytes=self._fetched_bytes, fetch_s=self._fetch_s)
         dep = self._deployment
         if detail and dep is not None and dep.prefetcher is not None:
             p = dep.prefetcher
@@ -321,56 +349,146 @@ class Node:
                 memory_budget_bytes=dep.device.budget_bytes, experts=dep.expert_traffic())
         return status
 
+    def _lacks(self, model: str, what: str, source: FileSource | None) -> ErrorReply | None:
+        """The refusal of a request for a model this node neither holds nor may fetch (None when it may go on)."""
+        if model in self._models or (self._store is not None and source is not None):
+            return None
+        held = ", ".join(f"{m.file_name} ({m.identity})" for _, _, m in self._models.values()) or "no model file"
+        fix = ("the head gave no holder to fetch it from: upgrade the head" if self._store is not None
+               else "start it with --model pointing at the head's file, or with --model-dir to fetch its layers")
+        return self._error("wrong_model", f"{what} {model}; this node holds {held}: {fix}")
+
     def _profile(self, req: GetProfile) -> ProfileReply | ErrorReply:
-        if req.model not in self._models:
-            held = ", ".join(f"{m.file_name} ({m.identity})" for _, _, m in self._models.values())
-            return self._error("wrong_model", f"asked to profile for model {req.model}; this node holds {held}")
+        if refused := self._lacks(req.model, "asked to profile for model", req.source):
+            return refused
         if self._deployment is not None:
             return self._error("busy", "this node has windows loaded, which would skew its free memory: "
                                "unload them before profiling")
-        held, layout, _ = self._models[req.model]
-        profile, message = self._profiling.ask(Path(held.path), layout, force=req.force, shown=held.name)
+        if req.model in self._models:
+            held, layout, _ = self._models[req.model]
+            profile, message = self._profiling.ask(Path(held.path), layout, force=req.force, shown=held.name)
+            return ProfileReply(node=self.name, profile=profile, message=message)
+        assert self._store is not None and req.source is not None
+        copy = self._store.copies.get(req.model)
+        if copy is None or copy.missing(header_pieces(copy.manifest, copy.manifest.header_bytes)):
+            return self._fetch_header(req.model, req.source)
+        # its disk is timed in the model folder: the copy's first bytes may be holes, which read at no disk's speed
+        profile, message = self._profiling.ask(None, copy.layout(), force=req.force, shown=copy.file_name)
         return ProfileReply(node=self.name, profile=profile, message=message)
+
+    def _fetch_header(self, model: str, source: FileSource) -> ProfileReply | ErrorReply:
+        """Start fetching a model's header in the background (a profile needs the layout); the head asks again."""
+        failed, why = self._header_error
+        if failed == model:
+            self._header_error = ("", "")
+            return self._error("fetch_failed", why)
+        if self._header is None or not self._header.is_alive():
+            def run() -> None:
+                try:
+                    self._copy(model, source)
+                except Exception as e:  # a thread boundary: the next profile request reports it
+                    log.warning("fetching the header of %s failed: %s", model, e)
+                    self._header_error = (model, str(e))
+
+            self._header = threading.Thread(target=run, name="header", daemon=True)
+            self._header.start()
+        return ProfileReply(node=self.name, message=f"fetching the header of {source.file_name or model}")
+
+    def _copy(self, model: str, source: FileSource, fetcher: Fetcher | None = None) -> SparseCopy:
+        """The model folder's copy of a model, with its header fetched (and checked against the identity)."""
+        assert self._store is not None
+        fetcher = fetcher or Fetcher(self.transport, source, model, stop=self._stop.is_set)
+        copy = self._store.copies.get(model)
+        if copy is None or copy.manifest.digest() != source.manifest_sha256:
+            copy = self._store.copy(fetcher.manifest(), source.file_name or model)
+        header = header_pieces(copy.manifest, copy.manifest.header_bytes)
+        copy.verify(header)
+        self._fetched_bytes += fetcher.fetch(copy, header, what=f"the header of {copy.file_name}")
+        copy.layout()
+        return copy
 
     def _load(self, req: LoadAssignment) -> Status | ErrorReply:
         a = req.assignment
-        if a.model.identity not in self._models:
-            held = ", ".join(f"{m.file_name} ({m.identity})" for _, _, m in self._models.values())
-            return self._error("wrong_model", f"the head asked for {a.model.file_name} ({a.model.identity}), "
-                               f"this node holds {held}: start it with --model pointing at the head's file")
-        held, layout, ident = self._models[a.model.identity]
-        problem = _check_assignment(a, layout)
-        if problem:
-            return self._error("bad_assignment", problem)
+        if refused := self._lacks(a.model.identity, f"the head asked for {a.model.file_name}", req.source):
+            return refused
+        held: HeldFile | None = None
+        if a.model.identity in self._models:
+            held, layout, _ = self._models[a.model.identity]
+            problem = _check_assignment(a, layout)
+            if problem:
+                return self._error("bad_assignment", problem)
         if self._loader is not None and self._loader.is_alive():
             return self._error("busy", "a load is already running; wait for it (see status)", retryable=True)
         self._owner.claim(req.head, self.name)
         self._status = Status(node=self.name, state="loading", epoch=a.epoch, message="waiting for the ring")
-        self._loader = threading.Thread(target=self._run_load, args=(a, held, layout), name="load", daemon=True)
+        self._loader = threading.Thread(target=self._run_load, args=(a, held, req.source), name="load", daemon=True)
         self._loader.start()
         return self.status()
 
-    def _run_load(self, a: Assignment, held: HeldFile, layout: ModelLayout) -> None:
+    def _fetch_windows(self, a: Assignment, source: FileSource,
+                       progress: Callable[[float, str], None]) -> tuple[SparseCopy, ModelLayout]:
+        """The copy of the assignment's model with every piece its windows read: held pieces checked (once a
+        process, and again after the file changed), room made within the disk budget, the rest fetched."""
+        assert self._store is not None
+        model = a.model.identity
+        fetcher = Fetcher(self.transport, source, model, stop=self._stop.is_set)
+        progress(0.0, f"fetching the header of {a.model.file_name}")
+        copy = self._copy(model, source, fetcher)
+        layout = copy.layout()
+        problem = _check_assignment(a, layout)
+        if problem:
+            raise ConfigError(f"bad assignment: {problem}")
+        need = needed_pieces(layout, [il for w in a.windows for il in range(w.start, w.end)])
+        copy.verify(need)
+        self._store.make_room(copy, need, self._in_use)
+        t0 = time.perf_counter()
+        got = fetcher.fetch(copy, need, what=copy.file_name,
+                            progress=lambda p: progress(p.fraction, p.describe(copy.file_name)))
+        self._fetched_bytes += got
+        if got:
+            self._fetch_s = time.perf_counter() - t0
+            log.info("fetched %.1f MiB of %s in %.2f s (%.1f MB/s)", got / 2**20, copy.file_name, self._fetch_s,
+                     got / self._fetch_s / 1e6 if self._fetch_s > 0 else 0.0)
+        copy.touch(need)
+        copy.save()
+        self._in_use = {model: set(need)}
+        return copy, layout
+
+    def _run_load(self, a: Assignment, held: HeldFile | None, source: FileSource | None) -> None:
         def progress(frac: float, what: str) -> None:
             if self._stop.is_set():
                 raise _StoppedError(f"the node stopped ({self._stop_reason})")
             self._status = Status(node=self.name, state="loading", epoch=a.epoch, progress=frac, message=what)
 
+        def fail(message: str, trace: bool) -> None:
+            log.error("loading assignment %d failed: %s", a.epoch, message, exc_info=trace)
+            self._status = Status(node=self.name, state="failed", epoch=a.epoch, message=message)
+
         t0 = time.perf_counter()
+        if held is not None:
+            path, layout = held.path, self._models[a.model.identity][1]
+        else:  # fetched while the windows loaded before keep running
+            assert source is not None
+            try:
+                copy, layout = self._fetch_windows(a, source, progress)
+            except (PrimaplugError, OSError) as e:
+                fail(str(e), trace=isinstance(e, OSError))
+                return
+            path = copy.reader_path
         with self._lock:  # no compute while deployments change
             self._drop_deployment()
             try:
-                held.check()
-                self._deployment = Deployment.load(a, held.path, layout, self.transport, progress,
+                if held is not None:
+                    held.check()
+                self._deployment = Deployment.load(a, path, layout, self.transport, progress,
                                                    self.settings.memory, pin_threads=self.settings.pin_threads)
-                held.check()  # where readers go by name, it must still have named the held file
+                if held is not None:
+                    held.check()  # where readers go by name, it must still have named the held file
             except Exception as e:
                 # a file changed under the load says so, not what llama.cpp made of the bytes it found
-                message = held.problem() or str(e)
-                log.error("loading assignment %d failed: %s", a.epoch, message,
-                          exc_info=not held.problem() and not isinstance(e, _StoppedError))
+                problem = held.problem() if held is not None else ""
+                fail(problem or str(e), trace=not problem and not isinstance(e, _StoppedError))
                 self._drop_deployment()
-                self._status = Status(node=self.name, state="failed", epoch=a.epoch, message=message)
                 return
             # still under the lock, so that an Unload cannot slip in between and be overwritten
             self._status = Status(node=self.name, state="ready", epoch=a.epoch, progress=1.0, message="ready")

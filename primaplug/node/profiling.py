@@ -25,10 +25,11 @@ class Profiling:
         self._thread: threading.Thread | None = None
         self._done: tuple[str, DeviceProfile | Exception] | None = None  # (model identity, result)
 
-    def ask(self, path: Path, layout: ModelLayout, *, force: bool, shown: str | None = None
+    def ask(self, path: Path | None, layout: ModelLayout, *, force: bool, shown: str | None = None
             ) -> tuple[DeviceProfile | None, str]:
         """(the profile, "") when one for this model is ready; else (None, what is being measured). A failed
-        measurement is raised here. `shown`: the model's name in messages (default: the path's)."""
+        measurement is raised here. `path`: the model's file, whose reads time the disk (None: a file of the cache
+        folder's is timed); `shown`: the model's name in messages (default: the path's)."""
         with self._lock:
             if self._done is not None and self._done[0] == layout.identity and not force:
                 _, result = self._done
@@ -41,9 +42,10 @@ class Profiling:
                 self._thread = threading.Thread(target=self._measure, args=(path, layout, force), name="profile",
                                                 daemon=True)
                 self._thread.start()
-        return None, f"measuring {self.name} for {shown or path.name} (compute per quantization type, memory, disk)"
+        name = shown or (path.name if path else layout.identity)
+        return None, f"measuring {self.name} for {name} (compute per quantization type, memory, disk)"
 
-    def _measure(self, path: Path, layout: ModelLayout, force: bool) -> None:
+    def _measure(self, path: Path | None, layout: ModelLayout, force: bool) -> None:
         result: DeviceProfile | Exception
         try:
             model = profile_model(layout, n_ctx=512, n_batch=512, n_ubatch=512)  # its types and layer size

@@ -7,6 +7,7 @@ fields they do not know); removing or changing one bumps it.
 
 from __future__ import annotations
 
+import hashlib
 from datetime import datetime
 from typing import Literal, Protocol
 
@@ -42,6 +43,17 @@ class ModelIdentity(msgspec.Struct, frozen=True):
         return cls(identity=layout.identity, file_name=file_name, n_layer=layout.n_layer, n_embd=layout.n_embd)
 
 
+class FileSource(msgspec.Struct, frozen=True):
+    """Where a node that lacks a model's file fetches the parts it runs (primaplug/store): the control endpoints of
+    the holders, tried in order, and the digest of the model's manifest (Manifest.digest), which the head computed
+    from its own copy. Every piece fetched is checked against the manifest, and the manifest against this digest,
+    so a holder that lies is found out."""
+
+    holders: tuple[str, ...]
+    manifest_sha256: str
+    file_name: str = ""  # the head's name for the file, for people
+
+
 class DeviceFacts(msgspec.Struct, frozen=True):
     os: str
     machine: str
@@ -51,6 +63,9 @@ class DeviceFacts(msgspec.Struct, frozen=True):
     # the CPU kernels the node's engine runs (engine.cpu_kernels): a ring of several cannot match plain
     # llama-cpp-python bit for bit; empty from nodes older than the field
     kernels: str = ""
+    # a node with a model folder (node --model-dir): what the copies it fetches may take on its disk; 0: it fetches
+    # nothing, and needs the whole file (--model)
+    disk_budget_bytes: int = 0
 
 
 class WindowSpec(msgspec.Struct, frozen=True):
@@ -146,6 +161,7 @@ class LoadAssignment(_Msg, tag="load"):
     assignment: Assignment
     head: HeadTag | None = None
     take_over: bool = False
+    source: FileSource | None = None  # for a node without the model's file: where to fetch its windows' bytes
 
 
 class GetStatus(_Msg, tag="status"):
@@ -164,6 +180,7 @@ class GetProfile(_Msg, tag="profile"):
     force: bool = False  # measure again even when the device has a cached profile
     head: HeadTag | None = None
     take_over: bool = False
+    source: FileSource | None = None  # for a node without the model's file: where to fetch its header
 
 
 class Unload(_Msg, tag="unload"):
@@ -182,7 +199,22 @@ class Shutdown(_Msg, tag="shutdown"):
     take_over: bool = False
 
 
-ControlRequest = Hello | LoadAssignment | GetStatus | GetProfile | Unload | Shutdown
+class GetManifest(_Msg, tag="get_manifest"):
+    """Asks a holder (a head, or a node with a copy) for the manifest of a model it was given, by identity, never by
+    path. Reply: Manifest."""
+
+    model: str  # ModelIdentity.identity
+
+
+class ReadPiece(_Msg, tag="read_piece"):
+    """Asks a holder for one piece of a model's file (Manifest's numbering). Reply: PieceData, or an ErrorReply
+    ("missing") from a holder whose copy lacks it."""
+
+    model: str
+    index: int
+
+
+ControlRequest = Hello | LoadAssignment | GetStatus | GetProfile | Unload | Shutdown | GetManifest | ReadPiece
 
 
 # --- replies --------------------------------------------------------------------------------------------------
@@ -220,6 +252,8 @@ class Status(_Msg, tag="status_reply"):
     memory_budget_bytes: int = 0  # what the node's windows' weights may use (computed at load, or --memory-budget)
     experts: ExpertTraffic | None = None  # a mixture of experts whose routed experts it reads as chosen
     holder: Holder | None = None  # the head the node belongs to; None: free (none, or its lease lapsed)
+    fetched_bytes: int = 0  # of model pieces this node fetched into its model folder since it started
+    fetch_s: float = 0.0  # seconds its last fetch of windows' pieces took
 
 
 class ProfileReply(_Msg, tag="profile_reply"):
@@ -230,13 +264,40 @@ class ProfileReply(_Msg, tag="profile_reply"):
 
 class ErrorReply(_Msg, tag="error"):
     node: str
-    code: str  # bad_message, wrong_model, bad_assignment, not_ready, protocol_version, held, internal
+    # bad_message, wrong_model, bad_assignment, not_ready, protocol_version, held, internal, missing (a piece)
+    code: str
     message: str
     retryable: bool = False
     holder: Holder | None = None  # with code "held": the head that holds the node
 
 
-ControlReply = Welcome | Status | ProfileReply | ErrorReply
+class Manifest(_Msg, tag="manifest"):
+    """A model file cut into pieces: the header's bytes and every tensor's, at most piece_bytes each (the padding
+    between tensors is in none), with the SHA-256 of each as the holder read it (store/manifest.py)."""
+
+    model: str  # ModelIdentity.identity
+    file_size: int
+    piece_bytes: int
+    header_bytes: int  # the header's (the first pieces'): what a node reads the rest of the cut from
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    sha256: bytes  # 32 bytes a piece, in order
+
+    def digest(self) -> str:
+        """What FileSource.manifest_sha256 names: the hash of the manifest's encoding."""
+        return hashlib.sha256(encode(self)).hexdigest()
+
+    def piece_sha256(self, index: int) -> bytes:
+        return self.sha256[32 * index:32 * index + 32]
+
+
+class PieceData(_Msg, tag="piece"):
+    model: str
+    index: int
+    data: bytes
+
+
+ControlReply = Welcome | Status | ProfileReply | ErrorReply | Manifest | PieceData
 
 _enc = msgspec.msgpack.Encoder()
 _req_dec = msgspec.msgpack.Decoder(ControlRequest)

@@ -1,0 +1,303 @@
+"""Nodes without the model's file (primaplug/store, docs/distribute.md): pieces, manifests, fetching, checking,
+resuming and the disk budget, over real sockets; and real nodes that fetch their windows and give plain's tokens."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from primaplug.core.errors import ConfigError
+from primaplug.engine import read_layout
+from primaplug.store import (
+    PIECE_BYTES,
+    Fetcher,
+    FetchError,
+    HolderService,
+    Store,
+    file_manifest,
+    needed_pieces,
+    piece_plan,
+)
+from primaplug.store.copy import DiskBudgetError
+from primaplug.store.holder import WholeFile, answer
+from primaplug.store.manifest import HEADER, check_identity, header_pieces, needed_units
+from primaplug.transport import ZmqTransport
+from primaplug.transport.keys import generate_keys
+from primaplug.wire import ErrorReply, FileSource, GetManifest, PieceData, ReadPiece, decode_request, encode
+
+MiB = 2**20
+
+
+@pytest.fixture
+def transport() -> Iterator[ZmqTransport]:
+    t = ZmqTransport(None)
+    yield t
+    t.close()
+
+
+@pytest.fixture
+def served(streaming_model: Path, transport: ZmqTransport, tmp_path: Path
+           ) -> Iterator[tuple[HolderService, FileSource]]:
+    layout = read_layout(streaming_model)
+    holder = HolderService(transport, "127.0.0.1", streaming_model,
+                           file_manifest(streaming_model, layout, cache_dir=tmp_path / "manifests"))
+    yield holder, FileSource(holders=(holder.address,), manifest_sha256=holder.file.manifest.digest())
+    holder.close()
+
+
+def _copy(store: Store, fetcher: Fetcher):  # the node's first steps: the manifest, then the header
+    copy = store.copy(fetcher.manifest(), "model.gguf")
+    fetcher.fetch(copy, header_pieces(copy.manifest, copy.manifest.header_bytes))
+    return copy, copy.layout()
+
+
+def test_the_pieces_cover_the_file_and_follow_the_units(streaming_model: Path) -> None:
+    layout = read_layout(streaming_model)
+    pieces = piece_plan(layout)
+    assert pieces[0].offset == 0 and sum(p.length for p in pieces) == layout.file_size
+    assert all(a.offset + a.length == b.offset for a, b in zip(pieces, pieces[1:], strict=False))
+    assert all(0 < p.length <= PIECE_BYTES for p in pieces)
+    assert sum(p.length for p in pieces if p.unit == HEADER) == layout.data_offset
+    # a window's pieces are its layers' tensors and the padding after them, and nothing of another layer
+    need = [pieces[i] for i in needed_pieces(layout, [2, 3])]
+    tensors = sum(layout.layer_bytes(il) for il in (2, 3))
+    assert {HEADER, "blk.2", "blk.3"} <= {p.unit for p in need} <= needed_units(layout, [2, 3])
+    assert needed_units(layout, [2, 3]) == {HEADER, "globals", "blk.2", "blk.3"}
+    layer_bytes = sum(p.length for p in need if p.unit.startswith("blk."))
+    assert tensors <= layer_bytes <= tensors * 1.001
+    assert "input" in needed_units(layout, [0])  # the first window looks tokens up
+
+
+def test_a_node_fetches_exactly_its_pieces_and_they_are_the_files(streaming_model: Path, tmp_path: Path,
+                                                                   transport: ZmqTransport, served) -> None:
+    holder, source = served
+    layout = read_layout(streaming_model)
+    store = Store(tmp_path / "models")
+    fetcher = Fetcher(transport, source, layout.identity)
+    copy, fetched = _copy(store, fetcher)
+    assert fetched.identity == layout.identity
+    need = needed_pieces(fetched, [2, 3, 4])
+    got = fetcher.fetch(copy, need)
+    want = copy.bytes_of(need)
+    assert copy.held_bytes == want
+    assert got + copy.bytes_of(header_pieces(copy.manifest, copy.manifest.header_bytes)) == want
+    assert fetcher.bytes_received <= 1.01 * want  # the messages' own bytes are a few per 4 MiB
+    assert copy.disk_bytes() <= want + len(need) * 4096  # holes elsewhere: at most a block more a piece
+    with open(streaming_model, "rb") as f:
+        for i in need:
+            o, n = copy.manifest.offsets[i], copy.manifest.lengths[i]
+            assert os.pread(copy.fd, n, o) == os.pread(f.fileno(), n, o)
+    assert holder.served_bytes == want
+    assert fetcher.fetch(copy, need) == 0  # held: nothing asked again
+
+
+def test_a_cut_off_fetch_resumes_where_it_stopped(streaming_model: Path, tmp_path: Path, transport: ZmqTransport,
+                                                  served) -> None:
+    _, source = served
+    model = read_layout(streaming_model).identity
+    store = Store(tmp_path / "models")
+    copy, layout = _copy(store, Fetcher(transport, source, model))
+    need = needed_pieces(layout, range(layout.n_layer))
+    calls = []
+    cut = Fetcher(transport, source, model, stop=lambda: len(calls) > 5)
+    with pytest.raises(FetchError, match="stopped"):
+        cut.fetch(copy, need, progress=calls.append)
+    held = dict(copy.held)
+    assert 0 < len(held) < len(need)
+    store.close()
+    again = Store(tmp_path / "models")  # a node restarted: the record says what its copy holds
+    copy = again.copies[model]
+    assert copy.held.keys() == held.keys()
+    rest = Fetcher(transport, source, model)
+    assert rest.fetch(copy, need) == copy.bytes_of(need) - copy.bytes_of(held)
+    assert copy.verify(need) == []
+
+
+def test_a_corrupted_piece_is_found_and_fetched_again(streaming_model: Path, tmp_path: Path, transport: ZmqTransport,
+                                                      served) -> None:
+    _, source = served
+    model = read_layout(streaming_model).identity
+    store = Store(tmp_path / "models")
+    fetcher = Fetcher(transport, source, model)
+    copy, layout = _copy(store, fetcher)
+    need = needed_pieces(layout, [5])
+    fetcher.fetch(copy, need)
+    victim = need[-1]
+    at = copy.manifest.offsets[victim] + 100
+    with open(copy.path, "r+b") as f:  # a flipped byte on the node's disk, by another hand
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x40]))
+    assert copy.verify(need) == [victim]
+    assert copy.missing(need) == [victim]
+    assert fetcher.fetch(copy, need) == copy.manifest.lengths[victim]
+    assert hashlib.sha256(copy.read(victim)).digest() == copy.manifest.piece_sha256(victim)
+
+
+class _Liar:
+    """A holder that flips a byte of every piece it serves (or sends a manifest of its own)."""
+
+    def __init__(self, transport: ZmqTransport, honest: HolderService, *, manifest: bool = False) -> None:
+        self.server = transport.control_server("127.0.0.1", 0)
+        self.address, self.honest, self.manifest = self.server.address, honest, manifest
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+
+    def serve(self) -> None:
+        while not self.stop.is_set():
+            got = self.server.recv(0.1)
+            if got is None:
+                continue
+            req = decode_request(got[1])
+            reply = answer(req, "liar", lambda m: self.honest.file)  # type: ignore[arg-type]
+            if isinstance(reply, PieceData):
+                reply = msgspec.structs.replace(reply, data=bytes([reply.data[0] ^ 1]) + reply.data[1:])
+            elif self.manifest:
+                reply = msgspec.structs.replace(reply, sha256=bytes(len(reply.sha256)))  # type: ignore[type-var]
+            self.server.reply(got[0], encode(reply))
+        self.server.close()
+
+
+def test_a_holder_that_lies_is_dropped_and_the_next_one_serves(streaming_model: Path, tmp_path: Path,
+                                                                transport: ZmqTransport, served) -> None:
+    honest, source = served
+    model = read_layout(streaming_model).identity
+    liar, fake = _Liar(transport, honest), _Liar(transport, honest, manifest=True)
+    try:
+        # a manifest other than the head's is refused at once; the lying pieces fail their hashes
+        fetcher = Fetcher(transport, FileSource((fake.address, liar.address, source.holders[0]),
+                                                source.manifest_sha256), model)
+        store = Store(tmp_path / "models")
+        copy, layout = _copy(store, fetcher)
+        assert "manifest other than the head's" in fetcher.dropped[fake.address]
+        assert "do not match their hash" in fetcher.dropped[liar.address]
+        need = needed_pieces(layout, [1])
+        fetcher.fetch(copy, need)
+        assert copy.verify(need) == []
+        # alone, the liar gets a clear error, and nothing it sent is kept
+        lone = Fetcher(transport, FileSource((liar.address,), source.manifest_sha256), model)
+        more = needed_pieces(layout, [6])
+        with pytest.raises(FetchError, match="do not match their hash"):
+            lone.fetch(copy, more)
+        assert copy.missing(more) == [i for i in more if i not in header_pieces(copy.manifest, layout.data_offset)]
+    finally:
+        for h in (liar, fake):
+            h.stop.set()
+            h.thread.join()
+
+
+def test_the_disk_budget_drops_the_least_recently_used_layers(streaming_model: Path, tmp_path: Path,
+                                                               transport: ZmqTransport, served) -> None:
+    _, source = served
+    model = read_layout(streaming_model).identity
+    layout = read_layout(streaming_model)
+    probe = Store(tmp_path / "probe")
+    header = probe.copy(file_manifest(streaming_model, layout, cache_dir=tmp_path / "m"), "m.gguf").bytes_of(
+        needed_pieces(layout, []))
+    room = header + sum(layout.layer_bytes(il) for il in range(3)) + MiB  # three layers and a little
+    store = Store(tmp_path / "models", budget_bytes=room)
+    fetcher = Fetcher(transport, source, model)
+    copy, layout = _copy(store, fetcher)
+    first, second = needed_pieces(layout, [1, 2]), needed_pieces(layout, [3, 4])
+    store.make_room(copy, first, {})
+    fetcher.fetch(copy, first)
+    copy.touch(first)
+    store.make_room(copy, second, {model: set()})  # layers 1 and 2 are not in use any more
+    fetcher.fetch(copy, second)
+    assert store.held_bytes <= room
+    assert not copy.missing(second) and copy.missing(first)
+    assert copy.disk_bytes() <= store.held_bytes + len(copy.held) * 4096  # their bytes went back to the disk
+    with pytest.raises(DiskBudgetError, match="raise --disk-budget"):
+        store.make_room(copy, needed_pieces(layout, range(layout.n_layer)), {})
+
+
+def test_a_holder_serves_models_by_identity_only(streaming_model: Path, tmp_path: Path, served) -> None:
+    honest, _ = served
+    model = honest.file.manifest.model
+    wrong = answer(ReadPiece(model="1:" + "0" * 32, index=0), "h", lambda m: None)
+    assert isinstance(wrong, ErrorReply) and wrong.code == "wrong_model"
+    far = answer(ReadPiece(model=model, index=10**9), "h", lambda m: honest.file)
+    assert isinstance(far, ErrorReply) and far.code == "bad_request"
+    assert answer(GetManifest(model=model), "h", lambda m: honest.file) == honest.file.manifest
+    store = Store(tmp_path / "models")
+    copy = store.copy(honest.file.manifest, "m.gguf")  # an empty copy: a node that holds nothing yet
+    lacks = answer(ReadPiece(model=model, index=3), "node", store.copies.get)
+    assert isinstance(lacks, ErrorReply) and lacks.code == "missing"
+    for bad in ("../../etc/passwd", "1:../x", "12:" + "A" * 32, "x" * 200):
+        with pytest.raises(ConfigError, match="not a model identity"):
+            check_identity(bad)
+    with pytest.raises(Exception, match="size changed"):
+        WholeFile(copy.path.with_suffix(".pieces"), honest.file.manifest)
+    assert list(store.folder.iterdir()) and all(p.parent == store.folder for p in store.folder.iterdir())
+
+
+def test_fetching_over_curve_keys(streaming_model: Path, tmp_path: Path) -> None:
+    keys = generate_keys(tmp_path / "cluster.key")
+    layout = read_layout(streaming_model)
+    secure = ZmqTransport(keys)
+    holder = HolderService(secure, "127.0.0.1", streaming_model, file_manifest(streaming_model, layout,
+                                                                                cache_dir=tmp_path / "m"))
+    try:
+        source = FileSource((holder.address,), holder.file.manifest.digest())
+        copy, fetched = _copy(Store(tmp_path / "models"), Fetcher(secure, source, layout.identity))
+        assert fetched.identity == layout.identity
+        outsider = ZmqTransport(generate_keys(tmp_path / "other.key"))  # another cluster's key: never answered
+        try:
+            with pytest.raises(FetchError, match="did not answer"):
+                Fetcher(outsider, source, layout.identity, timeout_s=1.0).manifest()
+        finally:
+            outsider.close()
+    finally:
+        holder.close()
+        secure.close()
+
+
+@pytest.mark.multiproc
+def test_nodes_without_the_file_fetch_their_windows_and_give_plains_tokens(gemma_path: Path, tmp_path: Path) -> None:
+    import llama_cpp
+
+    import primaplug
+    from primaplug.head.launch import LocalNodes
+
+    prompt, kwargs = "The capital of France is", {"n_ctx": 256, "verbose": False}
+    layout = read_layout(gemma_path)
+    pieces = piece_plan(layout)
+
+    def size(layers: range) -> int:
+        return sum(pieces[i].length for i in needed_pieces(layout, layers))
+
+    folders = [tmp_path / "d1", tmp_path / "d2"]
+    with LocalNodes([None, None], 2, log_dir=tmp_path / "logs",
+                    node_args=[["--model-dir", str(f)] for f in folders]) as nodes:
+        llm = primaplug.Llama(str(gemma_path), nodes=nodes.addresses, layers=[6, 6, 6], scheduler="even", **kwargs)
+        try:
+            text = llm(prompt, max_tokens=24, temperature=0)["choices"][0]["text"]
+            first = [n.status().fetched_bytes for n in llm._cluster.nodes]
+        finally:
+            llm.close()
+        # each node fetched exactly its windows' pieces, and its disk holds about that
+        assert first == [size(range(0, 6)), size(range(6, 12))]
+        for folder, want in zip(folders, first, strict=True):
+            (copy,) = folder.glob("*.gguf")
+            assert copy.stat().st_size == layout.file_size
+            assert copy.stat().st_blocks * 512 <= want * 1.01
+        # another split: only the layers that moved come over
+        llm = primaplug.Llama(str(gemma_path), nodes=nodes.addresses, layers=[3, 9, 6], scheduler="even", **kwargs)
+        try:
+            again = llm(prompt, max_tokens=24, temperature=0)["choices"][0]["text"]
+            second = [n.status().fetched_bytes for n in llm._cluster.nodes]
+        finally:
+            llm.close()
+        moved = size(range(3, 6)) - size(range(0, 0))  # layers 3-5, without the header node 2 holds already
+        assert second == [first[0], first[1] + moved]
+    plain = llama_cpp.Llama(str(gemma_path), **kwargs)
+    want = plain(prompt, max_tokens=24, temperature=0)["choices"][0]["text"]
+    assert text == want and again == want
