@@ -294,10 +294,23 @@ def test_nodes_without_the_file_fetch_their_windows_and_give_plains_tokens(gemma
         try:
             again = llm(prompt, max_tokens=24, temperature=0)["choices"][0]["text"]
             second = [n.status().fetched_bytes for n in llm._cluster.nodes]
+            # what the nodes said they held when the head connected, against the new windows: the plan's figure
+            lacked = llm._cluster.missing_bytes()
         finally:
             llm.close()
         moved = size(range(3, 6)) - size(range(0, 0))  # layers 3-5, without the header node 2 holds already
         assert second == [first[0], first[1] + moved]
+        assert list(lacked.values()) == [0, moved]
     plain = llama_cpp.Llama(str(gemma_path), **kwargs)
     want = plain(prompt, max_tokens=24, temperature=0)["choices"][0]["text"]
     assert text == want and again == want
+
+
+def test_the_plan_adds_the_slowest_fetch_to_the_first_token() -> None:
+    from primaplug.scheduler import Fetch
+    from primaplug.scheduler.plan import describe_fetches
+
+    line = describe_fetches((Fetch("phone", 400 * MiB, 40e6), Fetch("desk", 100 * MiB, 60e6), Fetch("mac", 0, 50e6)))
+    assert line.startswith("before the first token: 10.5 s more") and "phone 400 MiB, desk 100 MiB;" in line
+    assert "phone the slowest, at 40.0 MB/s" in line and "mac" not in line
+    assert describe_fetches((Fetch("mac", 0, 50e6),)) == ""

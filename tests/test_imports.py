@@ -34,7 +34,8 @@ ALLOWED = {
 TOP = {"__init__.py": {"head"}, "__main__.py": {"cli"}}  # the package's own top-level modules (Llama, main)
 # outside libraries only one package may import
 OWNER = {"zmq": {"transport"}, "llama_cpp": {"engine", "server"}, "highspy": {"scheduler"}, "textual": {"tui"},
-         "rich": {"tui"}, "zeroconf": {"discovery"}, "ifaddr": {"discovery"}}
+         "rich": {"tui"}, "zeroconf": {"discovery"}, "ifaddr": {"discovery"},
+         "huggingface_hub": {"store"}}
 
 
 def _imports(path: Path) -> set[str]:

@@ -27,8 +27,22 @@ def say(text: str) -> None:
 
 
 def model_path(args: argparse.Namespace) -> Path:
-    """-m, or the bundled default model."""
-    return Path(args.model) if getattr(args, "model", None) else default_model()
+    """-m (a file, a Hugging Face reference, a model in several files: store/hub.py), or the bundled default model."""
+    return resolve(args.model) if getattr(args, "model", None) else default_model()
+
+
+def resolve(ref: str) -> Path:
+    """A model reference as a local file, downloading or merging it first (once), saying how far it got."""
+    from primaplug.store import resolve_model
+
+    shown = [-1]
+
+    def progress(frac: float, what: str) -> None:
+        if int(frac * 10) > shown[0]:
+            shown[0] = int(frac * 10)
+            say(what)
+
+    return resolve_model(ref, progress)
 
 
 def default_model() -> Path:

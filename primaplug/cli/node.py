@@ -108,6 +108,9 @@ def main(args: argparse.Namespace) -> int:
         switches=Switches(prefetch=not args.no_prefetch, release=not args.no_release, keep=not args.no_keep,
                           layers=layers, room_layers=args.stream_room,
                           experts=not args.whole_experts))
+    from primaplug.cli.common import resolve
+
+    args.model = [str(resolve(m)) for m in args.model]  # a model in several files is merged once (store/hub.py)
     settings = NodeSettings(models=tuple(Path(m) for m in args.model), host=host, port=port,
                             name=args.name or platform.node(), secure=keys is not None, memory=memory,
                             profile_dir=Path(args.profile_dir) if args.profile_dir else None,

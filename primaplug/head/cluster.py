@@ -24,13 +24,14 @@ from primaplug.core.profiles import DeviceProfile
 from primaplug.core.settings import LOAD_TIMEOUT_S, RunSettings
 from primaplug.core.windows import LayerRange, even_split, execution_order, ring_windows
 from primaplug.device import DeviceWindows
-from primaplug.engine import read_layout
+from primaplug.engine import ModelLayout, read_layout
 from primaplug.head.events import Deployed, Events, NodeMetrics, NodeProgress, Notice
 from primaplug.head.identity import Head
 from primaplug.head.nodes import NodeClient
 from primaplug.head.ring import RingHead
 from primaplug.scheduler import Plan
-from primaplug.store import HolderService, file_manifest
+from primaplug.store import HolderService, file_manifest, piece_plan
+from primaplug.store.manifest import needed_units
 from primaplug.transport import RingIn, RingOut, Transport, endpoint, is_loopback, split_address
 from primaplug.transport.addresses import on_every_interface, reachable, source_address
 from primaplug.wire import (
@@ -129,6 +130,7 @@ class Cluster:
         self.transport, self.settings, self.model = transport, settings, model
         self.model_path = model_path  # the head's copy of the model: nodes with a model folder fetch from it
         self.holder: HolderService | None = None  # serves it to them, once one needs it (store/holder.py)
+        self._model_layout: ModelLayout | None = None
         self.events = events or Events()
         self.head = head or Head()
         # the ring's output comes back here; a head without nodes has no ring to listen to
@@ -189,9 +191,30 @@ class Cluster:
         return FileSource(holders=(self.settings.link(n.address, here), *peers),
                           manifest_sha256=self.holder.file.manifest.digest(), file_name=self.model.file_name)
 
+    def missing_bytes(self) -> dict[str, int]:
+        """What each node lacks of the model for its windows, by name, as it said when it connected: 0 for a node
+        that holds the file, its windows' pieces (store/manifest.py) less the layers its copy held for the others."""
+        out = {}
+        for n, ranges in zip(self.nodes, self.node_ranges, strict=True):
+            w = n.welcome
+            if w is None or self.model.identity in {m.identity for m in w.models} or self.model_path is None:
+                out[n.name] = 0
+                continue
+            layout = self._layout()
+            held = {u for c in w.copies if c.model == self.model.identity for u in c.units}
+            units = needed_units(layout, [il for r in ranges for il in range(r.start, r.end)]) - held
+            out[n.name] = sum(p.length for p in piece_plan(layout) if p.unit in units)
+        return out
+
+    def _layout(self) -> ModelLayout:
+        assert self.model_path is not None
+        if self._model_layout is None:
+            self._model_layout = read_layout(self.model_path)
+        return self._model_layout
+
     def _start_holder(self) -> HolderService:
         assert self.model_path is not None
-        layout = read_layout(self.model_path)
+        layout = self._layout()
         t0 = time.perf_counter()
         self.events.publish(Notice(f"hashing {self.model.file_name} ({layout.file_size / 2**30:.2f} GiB) for the "
                                    "nodes that fetch it (once: the hashes are kept until the file changes)"))

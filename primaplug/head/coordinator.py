@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -34,6 +33,7 @@ from primaplug.head.identity import Head
 from primaplug.head.nodes import NodeClient
 from primaplug.head.planning import Measured, PlanSettings, draft_bytes, measure, plan_with_speculation
 from primaplug.scheduler import SCHEDULERS, Plan, alternatives, check_gpu_layers, placement, solve
+from primaplug.store import resolve_model
 from primaplug.transport import Transport, ZmqTransport, load_keys
 from primaplug.wire import ModelIdentity, Status
 
@@ -103,7 +103,7 @@ class Coordinator:
                  draft_model: str | os.PathLike[str] | None = None, draft_max: int = DRAFT_MAX,
                  draft_min: int = DRAFT_MIN, events: Events | None = None,
                  transport: Transport | None = None) -> None:
-        self.path = Path(model_path)
+        self.path = resolve_model(model_path)
         self.layout: ModelLayout = read_layout(self.path)
         self.layout.check_supported()
         self.model = ModelIdentity.of(self.layout, self.path.name)

@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 from primaplug.core.errors import ConfigError
@@ -37,6 +36,7 @@ from primaplug.head.slots import Slots
 from primaplug.memory.prefetcher import Switches
 from primaplug.profiler import compute_buffer_output_bytes
 from primaplug.scheduler import SCHEDULERS, Plan
+from primaplug.store import resolve_model
 from primaplug.transport import Transport, ZmqTransport, load_keys
 from primaplug.wire import ModelIdentity
 
@@ -48,7 +48,9 @@ class Llama(RingLlama):
     """Behaves as llama_cpp.Llama; the model's layers run on `nodes` (HOST:PORT of `primaplug node`s).
 
     Args:
-        model_path: the GGUF file; every node must hold the same file (checked by hash).
+        model_path: the GGUF file (or `hf://ORG/REPO/FILE.gguf`, `ORG/REPO:QUANT`, a part of a model in several
+            files: store/hub.py); a node holds the same file (checked by hash), or fetches the layers it runs from
+            this head (a node started with --model-dir: docs/distribute.md).
         nodes: the nodes' control addresses, in ring order. None or empty: the head runs every layer itself.
         layers: layers per round for each node, then optionally for the head: a manual split (no planning).
             Without nodes: the sizes of the windows the head chains (a split in one process).
@@ -168,7 +170,7 @@ class Llama(RingLlama):
                               f"'even'): the {scheduler} scheduler picks each device's GPU layers from its profile")
         if draft_model is not None:
             check_draft_length(draft_min, draft_max)
-        path = Path(model_path)
+        path = resolve_model(model_path)  # a Hugging Face reference, a model in several files: store/hub.py
         layout = read_layout(path)
         layout.check_supported()
         if draft_model is not None and layout.has_recurrent_layers:

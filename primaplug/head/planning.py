@@ -19,7 +19,7 @@ from primaplug.engine import ModelLayout, read_layout
 from primaplug.head.cluster import Cluster
 from primaplug.head.events import Notice, Planned
 from primaplug.profiler import compute_buffer_output_bytes, model_types, profile_device, profile_model
-from primaplug.scheduler import DEFAULT_SLOW_DISK_BPS, LatencyModel, Plan, Scheduler, solve
+from primaplug.scheduler import DEFAULT_SLOW_DISK_BPS, Fetch, LatencyModel, Plan, Scheduler, solve
 
 HEAD = "head"
 
@@ -75,6 +75,10 @@ def plan_cluster(cluster: Cluster, measured: Measured, settings: PlanSettings) -
     plan = solve(measured.devices, measured.model, scheduler=settings.scheduler, rounds=settings.rounds,
                  slow_disk_bps=settings.slow_disk_bps, latency_model=settings.latency_model)
     cluster.apply_plan(plan, [d.name for d in measured.devices[1:]])
+    links = {d.name: d.link_bps for d in measured.devices}
+    fetches = tuple(Fetch(name, missing, links.get(name, measured.link_bps))
+                    for name, missing in cluster.missing_bytes().items() if missing)
+    plan = dataclasses.replace(plan, fetches=fetches)
     cluster.events.publish(Planned(plan.describe()))
     return plan
 

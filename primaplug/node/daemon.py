@@ -47,6 +47,7 @@ from primaplug.wire import (
     GetProfile,
     GetStatus,
     HeadTag,
+    HeldCopy,
     Hello,
     KvOp,
     LoadAssignment,
@@ -327,9 +328,11 @@ class Node:
                             mem_total_bytes=mem.total_bytes, mem_available_bytes=mem.available_bytes,
                             kernels=self._kernels,
                             disk_budget_bytes=self._store.budget_bytes if self._store else 0)
+        copies = tuple(HeldCopy(model=c.identity, units=c.held_units())
+                       for c in (self._store.copies.values() if self._store else ()))
         return Welcome(proto=PROTOCOL_VERSION, software=__version__, node=self.name,
                        models=tuple(m for _, _, m in self._models.values()), device=facts,
-                       ring_endpoint=self.ring.address)
+                       ring_endpoint=self.ring.address, copies=copies)
 
     def status(self, detail: bool = False) -> Status:
         s = self._status

@@ -5,7 +5,7 @@ Pure: imports only primaplug.core, numpy and (lazily, when a plan is solved) hig
 """
 
 from primaplug.scheduler.latency import DEFAULT_SLOW_DISK_BPS, DeviceSet, Prediction, predict_latency
-from primaplug.scheduler.plan import DevicePlan, DroppedDevice, Plan
+from primaplug.scheduler.plan import DevicePlan, DroppedDevice, Fetch, Plan
 from primaplug.scheduler.ring import RingPrediction, predict_ring
 from primaplug.scheduler.solve import (
     LATENCY_MODELS,
@@ -25,6 +25,7 @@ __all__ = [
     "DevicePlan",
     "DeviceSet",
     "DroppedDevice",
+    "Fetch",
     "LatencyModel",
     "Plan",
     "Prediction",

@@ -49,6 +49,30 @@ class DroppedDevice:
 
 
 @dataclass(frozen=True)
+class Fetch:
+    """A node that lacks part of the model fetches it before the first token (primaplug/store): its missing bytes
+    over its link."""
+
+    device: str
+    missing_bytes: int
+    link_bps: float
+
+    @property
+    def seconds(self) -> float:
+        return self.missing_bytes / self.link_bps if self.link_bps > 0 else float("inf")
+
+
+def describe_fetches(fetches: Sequence[Fetch]) -> str:
+    """What fetching adds before the first token: the slowest node's missing bytes over its link ("" for none)."""
+    slowest = max((f for f in fetches if f.missing_bytes), key=lambda f: f.seconds, default=None)
+    if slowest is None:
+        return ""
+    each = ", ".join(f"{f.device} {f.missing_bytes / 2**20:.0f} MiB" for f in fetches if f.missing_bytes)
+    return (f"before the first token: {slowest.seconds:.1f} s more, to fetch what the nodes lack of the model over "
+            f"their links ({each}; {slowest.device} the slowest, at {slowest.link_bps / 1e6:.1f} MB/s)")
+
+
+@dataclass(frozen=True)
 class Plan:
     """k rounds of windows over the devices in the ring; `devices[0]` is the head, which runs last in each round."""
 
@@ -60,6 +84,7 @@ class Plan:
     latency_model: str = "paper"  # "paper": Eq. 11, the sum over devices; "ring": scheduler/ring.py
     speculation: SpeculationEstimate | None = None  # with a draft on the head: whether drafting pays here
     experts: ExpertBytes | None = None  # a mixture of experts' layer as the plan priced it
+    fetches: tuple[Fetch, ...] = ()  # nodes that fetch what they lack of the model before the first token
 
     @property
     def head(self) -> DevicePlan:
@@ -137,6 +162,8 @@ class Plan:
         lines += [f"dropped {d.name}: {d.reason}" for d in self.dropped]
         if self.speculation is not None:
             lines.append(self.speculation.describe())
+        if fetching := describe_fetches(self.fetches):
+            lines.append(fetching)
         return "\n".join(lines)
 
 

@@ -25,7 +25,7 @@ import msgspec
 
 from primaplug.core.errors import ConfigError, ModelFormatError, PrimaplugError
 from primaplug.engine import ModelLayout, read_layout
-from primaplug.store.manifest import IDENTITY, check_identity, check_manifest
+from primaplug.store.manifest import IDENTITY, check_identity, check_manifest, piece_plan
 from primaplug.wire import Manifest
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,17 @@ class SparseCopy:
     def disk_bytes(self) -> int:
         """What the copy takes on disk (its holes take nothing)."""
         return os.fstat(self.fd).st_blocks * 512
+
+    def held_units(self) -> tuple[str, ...]:
+        """The units (engine/layout.py) whose every piece it holds; none before its header is."""
+        try:
+            plan = piece_plan(self.layout())
+        except (PrimaplugError, OSError):
+            return ()
+        units: dict[str, bool] = {}
+        for i, p in enumerate(plan):
+            units[p.unit] = units.get(p.unit, True) and i in self.held
+        return tuple(u for u, whole in units.items() if whole)
 
     def layout(self) -> ModelLayout:
         """The model's layout, read from the copy's header (which must be held), held to its identity and manifest."""

@@ -17,6 +17,7 @@ from primaplug.wire.messages import (
     GetProfile,
     GetStatus,
     HeadTag,
+    HeldCopy,
     Hello,
     Holder,
     LoadAssignment,
@@ -48,8 +49,8 @@ from primaplug.wire.ring import (
 
 __all__ = [
     "PROTOCOL_VERSION", "Activation", "Assignment", "ControlReply", "ControlRequest", "DeviceFacts", "ErrorReply",
-    "ExpertTraffic", "FileSource", "GetManifest", "GetProfile", "GetStatus", "HeadTag", "Hello", "Holder", "KvOp",
-    "LoadAssignment", "Manifest", "ModelIdentity", "Part", "PieceData", "ProfileReply", "ReadPiece", "RingError",
-    "RingFrameError", "RingMessage", "Shutdown", "Status", "Unload", "Welcome", "WindowSpec", "decode_reply",
-    "decode_request", "decode_ring", "encode", "encode_ring", "window_output",
+    "ExpertTraffic", "FileSource", "GetManifest", "GetProfile", "GetStatus", "HeadTag", "HeldCopy", "Hello",
+    "Holder", "KvOp", "LoadAssignment", "Manifest", "ModelIdentity", "Part", "PieceData", "ProfileReply", "ReadPiece",
+    "RingError", "RingFrameError", "RingMessage", "Shutdown", "Status", "Unload", "Welcome", "WindowSpec",
+    "decode_reply", "decode_request", "decode_ring", "encode", "encode_ring", "window_output",
 ]

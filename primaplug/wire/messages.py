@@ -219,6 +219,14 @@ ControlRequest = Hello | LoadAssignment | GetStatus | GetProfile | Unload | Shut
 
 # --- replies --------------------------------------------------------------------------------------------------
 
+class HeldCopy(msgspec.Struct, frozen=True):
+    """A model a node holds in part, in its model folder: the units (engine/layout.py: "blk.N", "input", ...) whose
+    every piece it holds."""
+
+    model: str  # ModelIdentity.identity
+    units: tuple[str, ...]
+
+
 class Welcome(_Msg, tag="welcome"):
     proto: int
     software: str
@@ -226,6 +234,7 @@ class Welcome(_Msg, tag="welcome"):
     models: tuple[ModelIdentity, ...]
     device: DeviceFacts
     ring_endpoint: str  # where this node receives ring messages
+    copies: tuple[HeldCopy, ...] = ()  # models it holds in part (fetched into its model folder)
 
 
 NodeState = Literal["idle", "loading", "ready", "failed"]
