@@ -15,6 +15,9 @@ from primaplug.core.settings import DEFAULT_PORT, DEFAULT_WAKE_LOCK, HEAD_SILENC
 
 DESCRIPTION = f"""\
 Run a node: it holds windows of the models given with -m and serves them to whichever head deploys an assignment.
+With --model-dir instead (or as well), it needs no model file: a head whose model it lacks sends it the header and
+exactly its windows' layers, each piece checked against the head's hashes, into a sparse copy in that folder
+(docs/distribute.md). A model in several files is named by any of its parts, and merged once.
 
 The node listens for the head on HOST:PORT (control) and for the ring on PORT+1. --listen HOST:0 picks any free
 ports instead (both are printed in the node's "ready" line, which `run --local-nodes` reads). A head may give a node
@@ -166,6 +169,7 @@ def _advertise(args: argparse.Namespace, name: str, host: str, port: int, ring: 
     from primaplug.discovery import Advertiser
     from primaplug.engine import read_layout
 
-    models = [read_layout(Path(m)).identity for m in args.model]
+    # a node that fetches runs any model a head holds: it announces none, which heads take as "may run this one"
+    models = [] if args.model_dir else [read_layout(Path(m)).identity for m in args.model]
     return Advertiser(name=name, host=host, port=port, ring_port=int(ring.rpartition(":")[2]), models=models,
                       keys=keys).start()
