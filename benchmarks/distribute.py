@@ -282,23 +282,24 @@ def resume(model: Path, layout: Any, device: Device, links: Links, work: Path, t
 
 
 def report(r: dict[str, Any]) -> None:
-    print(f"\n{r['model']['name']} ({r['model']['bytes'] / 1e9:.2f} GB), held by the head alone")
-    print(f"{'node':12} {'layers':>8} {'fetched MiB':>12} {'x(layers+hdr)':>14} {'MB/s':>7} {'of link':>8} "
-          f"{'disk MiB':>9}")
-    for name, n in r["cold"]["nodes"].items():
-        print(f"{name:12} {str(n['layers']):>8} {n['fetched_bytes'] / MiB:12.1f} {n['sent_ratio']:14.4f} "
-              f"{n['rate_bps'] / 1e6:7.1f} {n['rate_of_link']:8.1%} {n['disk_bytes'] / MiB:9.1f}")
-    t = r["ttft"]
-    print(f"first token: cold {t['cold_s']:.2f} s, warm {t['warm_s']:.2f} s, bound {t['bound_s']:.2f} s "
-          f"(missing/link + warm): {t['ratio']:.2f}x")
-    print(f"tokens as plain's: cold {r['cold']['same_tokens']}, warm {r['warm']['same_tokens']}, "
-          f"after re-forming {r['reform']['same_tokens']}, resumed {r['resume']['same_tokens']}")
-    for name, s in r["reform"]["survivors"].items():
-        print(f"re-formed without {r['reform']['killed']}: {name} fetched {s['fetched_bytes'] / MiB:.1f} MiB for "
-              f"layers {s['moved_layers']} ({s['moved_bytes'] / MiB:.1f} MiB moved)")
-    s = r["resume"]
-    print(f"resumed: {s['on_disk_at_kill'] / MiB:.0f} of {s['needed_bytes'] / MiB:.0f} MiB on disk at the kill; "
-          f"fetched {s['fetched_after_restart'] / MiB:.0f} MiB after the restart ({s['fetched_share']:.0%})")
+    t, s, gone = r["ttft"], r["resume"], r["reform"]["killed"]
+    lines = [f"\n{r['model']['name']} ({r['model']['bytes'] / 1e9:.2f} GB), held by the head alone",
+             f"{'node':12} {'layers':>8} {'fetched MiB':>12} {'x(layers+hdr)':>14} {'MB/s':>7} {'of link':>8} "
+             f"{'disk MiB':>9}"]
+    lines += [f"{name:12} {str(n['layers']):>8} {n['fetched_bytes'] / MiB:12.1f} {n['sent_ratio']:14.4f} "
+              f"{n['rate_bps'] / 1e6:7.1f} {n['rate_of_link']:8.1%} {n['disk_bytes'] / MiB:9.1f}"
+              for name, n in r["cold"]["nodes"].items()]
+    lines.append(f"first token: cold {t['cold_s']:.2f} s, warm {t['warm_s']:.2f} s, bound {t['bound_s']:.2f} s "
+                 f"(missing/link + warm): {t['ratio']:.2f}x")
+    lines.append("tokens as plain's: " + ", ".join(f"{part} {r[key]['same_tokens']}" for part, key in (
+        ("cold", "cold"), ("warm", "warm"), ("after re-forming", "reform"), ("resumed", "resume"))))
+    lines += [f"re-formed without {gone}: {name} fetched {v['fetched_bytes'] / MiB:.1f} MiB for layers "
+              f"{v['moved_layers']} ({v['moved_bytes'] / MiB:.1f} MiB moved)"
+              for name, v in r["reform"]["survivors"].items()]
+    lines.append(f"resumed: {s['on_disk_at_kill'] / MiB:.0f} of {s['needed_bytes'] / MiB:.0f} MiB on disk at the "
+                 f"kill; fetched {s['fetched_after_restart'] / MiB:.0f} MiB after the restart "
+                 f"({s['fetched_share']:.0%})")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -314,3 +314,11 @@ def test_the_plan_adds_the_slowest_fetch_to_the_first_token() -> None:
     assert line.startswith("before the first token: 10.5 s more") and "phone 400 MiB, desk 100 MiB;" in line
     assert "phone the slowest, at 40.0 MB/s" in line and "mac" not in line
     assert describe_fetches((Fetch("mac", 0, 50e6),)) == ""
+
+
+def test_a_model_folder_is_one_nodes(tmp_path: Path) -> None:
+    store = Store(tmp_path / "models")
+    with pytest.raises(ConfigError, match="another node uses"):
+        Store(tmp_path / "models")
+    store.close()
+    Store(tmp_path / "models").close()  # free again once the first has gone

@@ -184,6 +184,7 @@ class Node:
         self._profiling = Profiling(self.name, settings.profile_dir)
         self._contact = time.monotonic()  # when a head last sent anything (a control request or a ring message)
         self._in_use: dict[str, set[int]] = {}  # pieces of its model folder's copies that the loaded windows map
+        self._fetching = threading.Lock()  # one fetch into the model folder at a time (a profile's, a load's)
         self._header: threading.Thread | None = None  # fetching a model's header for a profile request
         self._header_error: tuple[str, str] = ("", "")  # (model, why) of the last header fetch that failed
         self._fetched_bytes = 0
@@ -401,14 +402,15 @@ class Node:
         """The model folder's copy of a model, with its header fetched (and checked against the identity)."""
         assert self._store is not None
         fetcher = fetcher or Fetcher(self.transport, source, model, stop=self._stop.is_set)
-        copy = self._store.copies.get(model)
-        if copy is None or copy.manifest.digest() != source.manifest_sha256:
-            copy = self._store.copy(fetcher.manifest(), source.file_name or model)
-        header = header_pieces(copy.manifest, copy.manifest.header_bytes)
-        copy.verify(header)
-        self._fetched_bytes += fetcher.fetch(copy, header, what=f"the header of {copy.file_name}")
-        copy.layout()
-        return copy
+        with self._fetching:
+            copy = self._store.copies.get(model)
+            if copy is None or copy.manifest.digest() != source.manifest_sha256:
+                copy = self._store.copy(fetcher.manifest(), source.file_name or model)
+            header = header_pieces(copy.manifest, copy.manifest.header_bytes)
+            copy.verify(header)
+            self._fetched_bytes += fetcher.fetch(copy, header, what=f"the header of {copy.file_name}")
+            copy.layout()
+            return copy
 
     def _load(self, req: LoadAssignment) -> Status | ErrorReply:
         a = req.assignment
@@ -442,19 +444,20 @@ class Node:
         if problem:
             raise ConfigError(f"bad assignment: {problem}")
         need = needed_pieces(layout, [il for w in a.windows for il in range(w.start, w.end)])
-        copy.verify(need)
-        self._store.make_room(copy, need, self._in_use)
-        t0 = time.perf_counter()
-        got = fetcher.fetch(copy, need, what=copy.file_name,
-                            progress=lambda p: progress(p.fraction, p.describe(copy.file_name)))
-        self._fetched_bytes += got
-        if got:
-            self._fetch_s = time.perf_counter() - t0
-            log.info("fetched %.1f MiB of %s in %.2f s (%.1f MB/s)", got / 2**20, copy.file_name, self._fetch_s,
-                     got / self._fetch_s / 1e6 if self._fetch_s > 0 else 0.0)
-        copy.touch(need)
-        copy.save()
-        self._in_use = {model: set(need)}
+        with self._fetching:
+            copy.verify(need)
+            self._store.make_room(copy, need, self._in_use)
+            t0 = time.perf_counter()
+            got = fetcher.fetch(copy, need, what=copy.file_name,
+                                progress=lambda p: progress(p.fraction, p.describe(copy.file_name)))
+            self._fetched_bytes += got
+            if got:
+                self._fetch_s = time.perf_counter() - t0
+                log.info("fetched %.1f MiB of %s in %.2f s (%.1f MB/s)", got / 2**20, copy.file_name, self._fetch_s,
+                         got / self._fetch_s / 1e6 if self._fetch_s > 0 else 0.0)
+            copy.touch(need)
+            copy.save()
+            self._in_use = {model: set(need)}
         return copy, layout
 
     def _run_load(self, a: Assignment, held: HeldFile | None, source: FileSource | None) -> None:

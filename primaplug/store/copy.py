@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import fcntl
 import functools
 import hashlib
 import logging
@@ -194,6 +195,14 @@ class Store:
         except OSError as e:
             raise ConfigError(f"cannot use {folder} as the model folder: {e.strerror}") from None
         self.folder = folder.resolve()
+        # one node a folder: two would write the same copies and records
+        self._lock = open(self.folder / ".lock", "a")  # noqa: SIM115 (held for the store's life)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock.close()
+            raise ConfigError(f"another node uses {self.folder} as its model folder: give each node its own "
+                              "--model-dir") from None
         self.copies: dict[str, SparseCopy] = {}
         for record in sorted(self.folder.glob("*.pieces")):
             copy = self._open(record)
@@ -264,6 +273,7 @@ class Store:
     def close(self) -> None:
         for c in self.copies.values():
             c.close()
+        self._lock.close()
 
 
 @functools.cache
