@@ -322,3 +322,37 @@ def test_a_model_folder_is_one_nodes(tmp_path: Path) -> None:
         Store(tmp_path / "models")
     store.close()
     Store(tmp_path / "models").close()  # free again once the first has gone
+
+
+def test_a_node_serves_what_its_copy_holds_to_another(streaming_model: Path, tmp_path: Path,
+                                                      transport: ZmqTransport, served) -> None:
+    """A peer with a copy is a holder too: it serves the pieces it holds and says which it lacks."""
+    _, source = served
+    model = read_layout(streaming_model).identity
+    first = Store(tmp_path / "a")
+    fetcher = Fetcher(transport, source, model)
+    copy, layout = _copy(first, fetcher)
+    fetcher.fetch(copy, needed_pieces(layout, [1, 2]))
+    server = transport.control_server("127.0.0.1", 0)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if (got := server.recv(0.1)) is not None:
+                server.reply(got[0], encode(answer(decode_request(got[1]), "peer", first.copies.get)))
+        server.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        peer = Fetcher(transport, FileSource((server.address,), source.manifest_sha256), model)
+        second = Store(tmp_path / "b")
+        other, _ = _copy(second, peer)
+        need = needed_pieces(layout, [1, 2])
+        peer.fetch(other, need)
+        assert other.verify(need) == [] and not other.missing(need)
+        with pytest.raises(FetchError, match=r"lacks \d+ of them"):
+            peer.fetch(other, needed_pieces(layout, [3]))
+    finally:
+        stop.set()
+        thread.join()

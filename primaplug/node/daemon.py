@@ -270,7 +270,10 @@ class Node:
         except ProtocolError as e:
             return self._error("bad_message", str(e))
         if isinstance(req, GetManifest | ReadPiece):  # a peer fetching what this node's copies hold
-            return answer(req, self.name, self._store.copies.get if self._store else lambda _m: None)
+            try:
+                return answer(req, self.name, self._store.copies.get if self._store else lambda _m: None)
+            except OSError as e:  # its disk failed: the peer asks the next holder
+                return self._error("internal", f"could not read piece {getattr(req, 'index', '')}: {e}")
         if not isinstance(req, Hello):  # a Hello (a health check, a head looking for nodes) is not a head's word
             self._contact = time.monotonic()
         self._owner.heard(getattr(req, "head", None))

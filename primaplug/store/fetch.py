@@ -60,6 +60,7 @@ class Fetcher:
         self.transport, self.source, self.model = transport, source, model
         self.timeout_s, self.stop = timeout_s, stop
         self.dropped: dict[str, str] = {}  # holder -> why it was dropped
+        self.lacking: dict[str, int] = {}  # holder -> pieces it said it lacks, in the last fetch
         self.bytes_received = 0  # every piece's bytes as they came, those that failed their hash included
 
     def _alive(self) -> list[str]:
@@ -70,7 +71,9 @@ class Fetcher:
         self.dropped[holder] = why
 
     def _failed(self, what: str) -> FetchError:
-        why = "; ".join(f"{h}: {w}" for h, w in self.dropped.items()) or "no holder was given"
+        why = "; ".join([f"{h}: {w}" for h, w in self.dropped.items()]
+                        + [f"{h} lacks {n} of them" for h, n in self.lacking.items() if h not in self.dropped])
+        why = why or "no holder was given"
         return FetchError(f"could not fetch {what} of model {self.model} ({why}): check that the head still runs "
                           "and holds the model's file")
 
@@ -107,6 +110,7 @@ class Fetcher:
         total, done, t0 = copy.bytes_of(todo), 0, time.perf_counter()
         saved = time.monotonic()
         holder = ""
+        self.lacking = {}
 
         def report() -> None:
             if progress is not None:
@@ -154,6 +158,7 @@ class Fetcher:
                             report()
                     todo = [i for i in todo if i not in copy.held]
                     if lacking and holder not in self.dropped:
+                        self.lacking[holder] = len(lacking)
                         log.info("holder %s lacks %d piece(s); asking the next", holder, len(lacking))
                 finally:
                     client.close()

@@ -100,7 +100,11 @@ class HolderService:
                                                                           message=str(e)[:600])
                 else:
                     if isinstance(req, GetManifest | ReadPiece):
-                        reply = answer(req, "head", self._sources)
+                        try:
+                            reply = answer(req, "head", self._sources)
+                        except OSError as e:  # the file could not be read: the node asks the next holder
+                            log.warning("the model holder could not read a piece: %s", e)
+                            reply = ErrorReply(node="head", code="internal", message=f"could not read it: {e}")
                     else:
                         reply = ErrorReply(node="head", code="bad_message", message=f"this is the head's holder of "
                                            f"model pieces, which answers no {type(req).__name__}")
