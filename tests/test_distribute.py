@@ -356,3 +356,20 @@ def test_a_node_serves_what_its_copy_holds_to_another(streaming_model: Path, tmp
     finally:
         stop.set()
         thread.join()
+
+
+@pytest.mark.multiproc
+def test_run_with_local_nodes_that_fetch(tmp_path: Path) -> None:
+    """`run --local-nodes 2 --local-fetch --verify`: nodes without the file, plain's tokens and logits, and their
+    model folders removed after."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    got = subprocess.run([sys.executable, "-m", "primaplug", "run", "--local-nodes", "2", "--local-fetch",
+                          "--scheduler", "even", "--temp", "0", "-n", "8", "-p", "The sky is", "--verify"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert "gave the same 8 tokens, and the same logits for each" in got.stderr
+    assert "to the nodes that fetch it" in got.stderr and "fetching" in got.stderr
+    assert not list(tmp_path.glob("primaplug-models-*"))

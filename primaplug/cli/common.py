@@ -83,6 +83,9 @@ def ring_flags(p: argparse.ArgumentParser, *, deploys: bool = True, ctx_size: in
                    "nodes of this cluster that advertise themselves (node --advertise), by name")
     p.add_argument("--local-nodes", type=int, default=0, metavar="N",
                    help="start N nodes on this machine for this run, and stop them after")
+    p.add_argument("--local-fetch", action="store_true",
+                   help="start the local nodes without the model's file: each fetches the layers it runs from the "
+                        "head into a folder of its own (removed after; docs/distribute.md)")
     p.add_argument("--scheduler", choices=("halda", "memory", "compute", "even"), default="halda",
                    help="how windows are chosen without --layers: halda (profile, measure, solve; the default), "
                         "the baselines memory (exo) or compute (Galaxy), or even (split evenly, nothing measured)")
@@ -159,9 +162,14 @@ def node_addresses(args: argparse.Namespace, path: Path) -> Iterator[list[str]]:
 
     logs = tempfile.mkdtemp(prefix="primaplug-nodes-")
     keep = False  # the logs stay where a node died or did not start, for the message that names them
+    # --local-fetch: a model folder each, and no file; always removed (the copies may be large)
+    folders = tempfile.mkdtemp(prefix="primaplug-models-") if args.local_fetch else None
     try:
         t0 = time.perf_counter()
-        local = LocalNodes(path, args.local_nodes, log_dir=logs)
+        n = args.local_nodes
+        local = (LocalNodes([None] * n, n, log_dir=logs, node_args=[["--model-dir", f"{folders}/node{i + 1}"]
+                                                                      for i in range(n)])
+                 if folders else LocalNodes(path, n, log_dir=logs))
         try:
             local.start()  # stops what it started if it fails
         except PrimaplugError:
@@ -182,6 +190,8 @@ def node_addresses(args: argparse.Namespace, path: Path) -> Iterator[list[str]]:
     finally:
         if not keep:
             shutil.rmtree(logs, ignore_errors=True)
+        if folders:
+            shutil.rmtree(folders, ignore_errors=True)
 
 
 @contextlib.contextmanager
