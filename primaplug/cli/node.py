@@ -91,9 +91,6 @@ def main(args: argparse.Namespace) -> int:
     from primaplug.engine import bindings_only
 
     bindings_only()  # a node never uses llama_cpp.Llama: 4 MiB less of its device's memory (engine/_bindings.py)
-    from primaplug.node.deployment import limit_arenas
-
-    limit_arenas()  # before any thread (ZeroMQ's among them) allocates
     from primaplug.device import MemorySettings
     from primaplug.memory.prefetcher import Switches
     from primaplug.node import Node, NodeSettings

@@ -135,21 +135,6 @@ def _return_freed_memory() -> None:
         trim(0)
 
 
-M_ARENA_MAX = -8  # glibc's mallopt parameter
-NODE_ARENAS = 2  # malloc arenas a node's threads share
-
-
-def limit_arenas(count: int = NODE_ARENAS) -> None:
-    """Let the node's threads share `count` malloc arenas rather than up to eight a core, one per thread that
-    allocates (the control, ring, load, prefetch and ZeroMQ threads): each arena keeps freed memory of its own, which
-    the device's owner gets back from none. Measured on the emulated cluster: the smallest node's pressure 6.5% ->
-    6.0% at k = 4, the time per token unchanged (docs/memory.md). Call it before threads start. Elsewhere than glibc
-    there is nothing to call."""
-    mallopt = getattr(_libc(), "mallopt", None)
-    if mallopt is not None:
-        mallopt(M_ARENA_MAX, count)
-
-
 @functools.cache
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None)
