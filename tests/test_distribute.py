@@ -53,7 +53,7 @@ def served(streaming_model: Path, transport: ZmqTransport, tmp_path: Path
 
 def _copy(store: Store, fetcher: Fetcher):  # the node's first steps: the manifest, then the header
     copy = store.copy(fetcher.manifest(), "model.gguf")
-    fetcher.fetch(copy, header_pieces(copy.manifest, copy.manifest.header_bytes))
+    fetcher.fetch(copy, header_pieces(copy.manifest))
     return copy, copy.layout()
 
 
@@ -86,7 +86,7 @@ def test_a_node_fetches_exactly_its_pieces_and_they_are_the_files(streaming_mode
     got = fetcher.fetch(copy, need)
     want = copy.bytes_of(need)
     assert copy.held_bytes == want
-    assert got + copy.bytes_of(header_pieces(copy.manifest, copy.manifest.header_bytes)) == want
+    assert got + copy.bytes_of(header_pieces(copy.manifest)) == want
     assert fetcher.bytes_received <= 1.01 * want  # the messages' own bytes are a few per 4 MiB
     assert copy.disk_bytes() <= want + len(need) * 4096  # holes elsewhere: at most a block more a piece
     with open(streaming_model, "rb") as f:
@@ -187,7 +187,7 @@ def test_a_holder_that_lies_is_dropped_and_the_next_one_serves(streaming_model: 
         more = needed_pieces(layout, [6])
         with pytest.raises(FetchError, match="do not match their hash"):
             lone.fetch(copy, more)
-        assert copy.missing(more) == [i for i in more if i not in header_pieces(copy.manifest, layout.data_offset)]
+        assert copy.missing(more) == [i for i in more if i not in header_pieces(copy.manifest)]
     finally:
         for h in (liar, fake):
             h.stop.set()

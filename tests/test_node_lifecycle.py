@@ -174,7 +174,7 @@ def test_a_local_node_that_dies_is_named_with_its_exit_status_and_its_log(gemma_
     from primaplug.cli.common import node_addresses
     from primaplug.core.errors import NodeUnavailableError, PrimaplugError
 
-    args = argparse.Namespace(nodes=None, local_nodes=1)
+    args = argparse.Namespace(nodes=None, local_nodes=1, local_fetch=False)  # as `run` parses it
     with pytest.raises(PrimaplugError) as caught, node_addresses(args, gemma_path) as addresses:
         assert len(addresses) == 1
         (node,) = [c for c in psutil.Process().children() if "node" in c.cmdline()]

@@ -163,7 +163,7 @@ def node_addresses(args: argparse.Namespace, path: Path) -> Iterator[list[str]]:
     logs = tempfile.mkdtemp(prefix="primaplug-nodes-")
     keep = False  # the logs stay where a node died or did not start, for the message that names them
     # --local-fetch: a model folder each, and no file; always removed (the copies may be large)
-    folders = tempfile.mkdtemp(prefix="primaplug-models-") if getattr(args, "local_fetch", False) else None
+    folders = tempfile.mkdtemp(prefix="primaplug-models-") if args.local_fetch else None
     try:
         t0 = time.perf_counter()
         n = args.local_nodes

@@ -39,7 +39,7 @@ def main(args: argparse.Namespace) -> int:
         transport = ZmqTransport(load_keys(args.keys) if args.keys else None)
         settings = ClusterSettings(nodes=tuple(addresses), n_ctx=args.ctx_size, n_batch=args.batch_size,
                                    n_ubatch=args.ubatch_size, listen=args.listen, timeout_s=args.timeout)
-        cluster = Cluster(transport, settings, ModelIdentity.of(layout, path.name), events, model_path=path)
+        cluster = Cluster(transport, settings, ModelIdentity.of(layout, path.name), events, layout=layout)
         try:
             cluster.connect()
             ps = plan_settings(args)

@@ -14,7 +14,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -24,7 +23,7 @@ from primaplug.core.profiles import DeviceProfile
 from primaplug.core.settings import LOAD_TIMEOUT_S, RunSettings
 from primaplug.core.windows import LayerRange, even_split, execution_order, ring_windows
 from primaplug.device import DeviceWindows
-from primaplug.engine import ModelLayout, read_layout
+from primaplug.engine import ModelLayout
 from primaplug.head.events import Deployed, Events, NodeMetrics, NodeProgress, Notice
 from primaplug.head.identity import Head
 from primaplug.head.nodes import NodeClient
@@ -115,7 +114,7 @@ class Cluster:
     and a node belongs to one head at a time). Close it to let the nodes go (they keep running, free for any head)."""
 
     def __init__(self, transport: Transport, settings: ClusterSettings, model: ModelIdentity,
-                 events: Events | None = None, head: Head | None = None, model_path: Path | None = None) -> None:
+                 events: Events | None = None, head: Head | None = None, layout: ModelLayout | None = None) -> None:
         hosts = [split_address(a)[0] for a in settings.nodes]
         if settings.nodes and transport.keys is None and not is_loopback(settings.listen):
             raise ConfigError(f"refusing to listen on {settings.listen} without encryption, as nodes do: make a "
@@ -128,9 +127,9 @@ class Cluster:
                 raise ConfigError("the last node cannot reach a head listening on loopback: pass --listen with "
                                   "this device's address on the nodes' network")
         self.transport, self.settings, self.model = transport, settings, model
-        self.model_path = model_path  # the head's copy of the model: nodes with a model folder fetch from it
+        # the layout of the head's copy of the model (its path the file): nodes with a model folder fetch from it
+        self.layout = layout
         self.holder: HolderService | None = None  # serves it to them, once one needs it (store/holder.py)
-        self._model_layout: ModelLayout | None = None
         self.events = events or Events()
         self.head = head or Head()
         # the ring's output comes back here; a head without nodes has no ring to listen to
@@ -173,7 +172,7 @@ class Cluster:
     # --- nodes that fetch the model (primaplug/store) ------------------------------------------------------------
 
     def can_serve(self, welcome: Welcome) -> bool:
-        return can_run(welcome, self.model, self.model_path is not None)
+        return can_run(welcome, self.model, self.layout is not None)
 
     def source(self, n: NodeClient) -> FileSource | None:
         """Where node n fetches the parts of the model it lacks (None when it holds the file): this head's holder,
@@ -197,24 +196,18 @@ class Cluster:
         out = {}
         for n, ranges in zip(self.nodes, self.node_ranges, strict=True):
             w = n.welcome
-            if w is None or self.model.identity in {m.identity for m in w.models} or self.model_path is None:
+            if w is None or self.model.identity in {m.identity for m in w.models} or self.layout is None:
                 out[n.name] = 0
                 continue
-            layout = self._layout()
+            layout = self.layout
             held = {u for c in w.copies if c.model == self.model.identity for u in c.units}
             units = needed_units(layout, [il for r in ranges for il in range(r.start, r.end)]) - held
             out[n.name] = sum(p.length for p in piece_plan(layout) if p.unit in units)
         return out
 
-    def _layout(self) -> ModelLayout:
-        assert self.model_path is not None
-        if self._model_layout is None:
-            self._model_layout = read_layout(self.model_path)
-        return self._model_layout
-
     def _start_holder(self) -> HolderService:
-        assert self.model_path is not None
-        layout = self._layout()
+        layout = self.layout
+        assert layout is not None
         t0 = time.perf_counter()
         self.events.publish(Notice(f"hashing {self.model.file_name} ({layout.file_size / 2**30:.2f} GiB) for the "
                                    "nodes that fetch it (once: the hashes are kept until the file changes)"))
@@ -222,8 +215,8 @@ class Cluster:
         def progress(frac: float, what: str) -> None:
             log.info("%s", what)
 
-        manifest = file_manifest(self.model_path, layout, progress=progress)
-        holder = HolderService(self.transport, self.settings.listen, self.model_path, manifest)
+        manifest = file_manifest(layout.path, layout, progress=progress)
+        holder = HolderService(self.transport, self.settings.listen, layout.path, manifest)
         self.events.publish(Notice(f"serving {self.model.file_name} to the nodes that fetch it at {holder.address} "
                                    f"({len(manifest.offsets)} pieces, hashed in {time.perf_counter() - t0:.1f} s)"))
         return holder

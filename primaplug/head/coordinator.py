@@ -203,7 +203,7 @@ class Coordinator:
         settings = ClusterSettings(nodes=tuple(e.address for e in entries), n_ctx=self.n_ctx, n_batch=self.n_batch,
                                    n_ubatch=self.n_ubatch, n_threads=self.node_threads, listen=self.listen,
                                    timeout_s=self.timeout_s)
-        return Cluster(self.transport, settings, self.model, self.events, self.head, model_path=self.path)
+        return Cluster(self.transport, settings, self.model, self.events, self.head, layout=self.layout)
 
     def profile(self, force: bool = False) -> Measured:
         """Profile the model, the head, every usable node and the ring's links. Once that is done, nodes added

@@ -203,7 +203,7 @@ class Llama(RingLlama):
         reserved = draft_bytes(draft_model, n_ctx, n_batch, n_ubatch)
         try:
             self._cluster = cluster = Cluster(self._transport, settings, ModelIdentity.of(layout, path.name),
-                                              self.events, self.head, model_path=path)
+                                              self.events, self.head, layout=layout)
             cluster.connect()
             if plan is not None:
                 self.plan = plan

@@ -377,7 +377,7 @@ class Node:
             return ProfileReply(node=self.name, profile=profile, message=message)
         assert self._store is not None and req.source is not None
         copy = self._store.copies.get(req.model)
-        if copy is None or copy.missing(header_pieces(copy.manifest, copy.manifest.header_bytes)):
+        if copy is None or copy.missing(header_pieces(copy.manifest)):
             return self._fetch_header(req.model, req.source)
         # its disk is timed in the model folder: the copy's first bytes may be holes, which read at no disk's speed
         profile, message = self._profiling.ask(None, copy.layout(), force=req.force, shown=copy.file_name)
@@ -409,7 +409,7 @@ class Node:
             copy = self._store.copies.get(model)
             if copy is None or copy.manifest.digest() != source.manifest_sha256:
                 copy = self._store.copy(fetcher.manifest(), source.file_name or model)
-            header = header_pieces(copy.manifest, copy.manifest.header_bytes)
+            header = header_pieces(copy.manifest)
             copy.verify(header)
             self._fetched_bytes += fetcher.fetch(copy, header, what=f"the header of {copy.file_name}")
             copy.layout()

@@ -117,57 +117,68 @@ class Fetcher:
                 dt = time.perf_counter() - t0
                 progress(FetchProgress(done, total, done / dt if dt > 0 else 0.0, holder))
 
+        def stored(i: int, data: bytes) -> None:
+            nonlocal done, saved
+            copy.write(i, data)
+            done += len(data)
+            if time.monotonic() - saved > SAVE_EVERY_S:
+                copy.save()
+                saved = time.monotonic()
+            report()
+
         try:
             for holder in self._alive():
                 if not todo:
                     break
                 report()
-                lacking: list[int] = []
-                client = self.transport.control_client(holder)
-                try:
-                    queue = collections.deque(todo)
-                    inflight: collections.deque[tuple[int, int]] = collections.deque()
-                    strikes = 0
-                    while queue or inflight:
-                        if self.stop():
-                            raise FetchError(f"stopped while fetching {what or self.model}")
-                        while queue and len(inflight) < DEPTH:
-                            i = queue.popleft()
-                            inflight.append((client.send(encode(ReadPiece(model=self.model, index=i))), i))
-                        rid, i = inflight.popleft()
-                        why, data = self._piece(client, rid, i, copy)
-                        if why == "missing":
-                            lacking.append(i)
-                        elif why == "hash":
-                            strikes += 1
-                            if strikes >= STRIKES:
-                                self._drop(holder, f"sent {strikes} pieces that do not match their hash")
-                                break
-                            log.warning("piece %d from %s does not match its hash: fetching it again", i, holder)
-                            queue.appendleft(i)
-                        elif why:
-                            self._drop(holder, why)
-                            break
-                        else:
-                            assert data is not None
-                            copy.write(i, data)
-                            done += len(data)
-                            if time.monotonic() - saved > SAVE_EVERY_S:
-                                copy.save()
-                                saved = time.monotonic()
-                            report()
-                    todo = [i for i in todo if i not in copy.held]
-                    if lacking and holder not in self.dropped:
-                        self.lacking[holder] = len(lacking)
-                        log.info("holder %s lacks %d piece(s); asking the next", holder, len(lacking))
-                finally:
-                    client.close()
+                lacking = self._from(holder, copy, todo, stored, what)
+                todo = [i for i in todo if i not in copy.held]
+                if lacking and holder not in self.dropped:
+                    self.lacking[holder] = len(lacking)
+                    log.info("holder %s lacks %d piece(s); asking the next", holder, len(lacking))
         finally:
             copy.save()
         if todo:
             raise self._failed(f"{len(todo)} piece(s) ({copy.bytes_of(todo) / 2**20:.1f} MiB)")
         report()
         return done
+
+    def _from(self, holder: str, copy: SparseCopy, todo: list[int], stored: Callable[[int, bytes], None],
+              what: str) -> list[int]:
+        """Ask one holder for the pieces of `todo`, DEPTH at a time, handing each good one to `stored`; returns those
+        it lacks. A holder that fails or lies is dropped (self.dropped says why) and the rest is left for the next."""
+        lacking: list[int] = []
+        queue = collections.deque(todo)
+        inflight: collections.deque[tuple[int, int]] = collections.deque()
+        strikes = 0
+        client = self.transport.control_client(holder)
+        try:
+            while queue or inflight:
+                if self.stop():
+                    raise FetchError(f"stopped while fetching {what or self.model}")
+                while queue and len(inflight) < DEPTH:
+                    i = queue.popleft()
+                    inflight.append((client.send(encode(ReadPiece(model=self.model, index=i))), i))
+                rid, i = inflight.popleft()
+                why, data = self._piece(client, rid, i, copy)
+                if why == "missing":
+                    lacking.append(i)
+                elif why == "hash":
+                    strikes += 1
+                    if strikes >= STRIKES:
+                        self._drop(holder, f"sent {strikes} pieces that do not match their hash")
+                        break
+                    log.warning("piece %d from %s does not match its hash: fetching it again", i, holder)
+                    queue.appendleft(i)
+                elif why:
+                    self._drop(holder, why)
+                    break
+                else:
+                    assert data is not None
+                    stored(i, data)
+        finally:
+            client.close()
+        return lacking
 
     def _piece(self, client: ControlClient, rid: int, index: int, copy: SparseCopy) -> tuple[str, bytes | None]:
         """("", bytes) for a good piece; else ("missing", None), ("hash", None) or (why the holder is dropped, None)."""

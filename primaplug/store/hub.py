@@ -98,11 +98,10 @@ def _download_file(ref: str) -> Path:
 
 
 def _download_quant(repo: str, quant: str) -> Path:
+    hub = _hub()
     try:
-        files = _hub().list_repo_files(repo)
-    except ConfigError:
-        raise
-    except Exception as e:
+        files = hub.list_repo_files(repo)
+    except Exception as e:  # huggingface_hub's errors (not found, gated, offline) and the network's
         raise ConfigError(f"could not list the Hugging Face repository {repo}: {type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}") from None
     models: dict[str, str] = {}  # a model (a single file, or the first part of several) -> its file

@@ -85,16 +85,17 @@ def needed_pieces(layout: ModelLayout, layers: Iterable[int], output: bool = Fal
     return [i for i, p in enumerate(piece_plan(layout)) if p.unit in units]
 
 
-def header_pieces(manifest: Manifest, header_bytes: int) -> list[int]:
-    """The first pieces of a manifest, up to header_bytes: the header, before the layout that cuts the rest is
+def header_pieces(manifest: Manifest) -> list[int]:
+    """The first pieces of a manifest, up to its header_bytes: the header, before the layout that cuts the rest is
     known."""
-    return [i for i, o in enumerate(manifest.offsets) if o < header_bytes]
+    return [i for i, o in enumerate(manifest.offsets) if o < manifest.header_bytes]
 
 
 def check_manifest(manifest: Manifest, layout: ModelLayout) -> None:
     """Refuse a manifest whose pieces are not the layout's cut of its file."""
     plan = piece_plan(layout)
     if (manifest.model != layout.identity or manifest.file_size != layout.file_size
+            or manifest.header_bytes != layout.data_offset
             or manifest.offsets != tuple(p.offset for p in plan) or manifest.lengths != tuple(p.length for p in plan)
             or len(manifest.sha256) != 32 * len(plan)):
         raise ManifestError(f"the manifest of {manifest.model} does not cut the model's file as its header says")
