@@ -373,3 +373,44 @@ def test_run_with_local_nodes_that_fetch(tmp_path: Path) -> None:
     assert "gave the same 8 tokens, and the same logits for each" in got.stderr
     assert "to the nodes that fetch it" in got.stderr and "fetching" in got.stderr
     assert not list(tmp_path.glob("primaplug-models-*"))
+
+
+def test_a_node_needs_a_model_or_a_folder(tmp_path: Path) -> None:
+    from primaplug.node import NodeSettings
+
+    with pytest.raises(ConfigError, match="--model FILE, or --model-dir DIR"):
+        NodeSettings(models=()).check()
+    with pytest.raises(ConfigError, match="--disk-budget is the room of the model folder: give --model-dir"):
+        NodeSettings(models=(tmp_path / "model.gguf",), disk_budget_bytes=2**30).check()
+    with pytest.raises(ConfigError, match="a size of 0 or more"):
+        NodeSettings(models=(), model_dir=tmp_path, disk_budget_bytes=-1).check()
+
+
+def test_a_node_that_cannot_fetch_is_refused_with_the_fix(streaming_model: Path, tmp_path: Path) -> None:
+    """A node with a folder asked for a model without a source (an older head) says to upgrade the head; a head
+    that does not hold the file (none to serve) is told to start the node with --model or --model-dir."""
+    from primaplug.core.errors import NodeError
+    from primaplug.head import Cluster, ClusterSettings, NodeClient
+    from primaplug.wire import Assignment, GetProfile, ModelIdentity, WindowSpec, decode_reply
+    from tests.inproc_nodes import InprocNodes
+
+    layout = read_layout(streaming_model)
+    ident = ModelIdentity.of(layout, streaming_model.name)
+    with InprocNodes([], 1, model_dir=tmp_path / "models") as nodes:
+        head = nodes.head_transport()
+        client = NodeClient(head, nodes.addresses[0])
+        assert client.hello().device.disk_budget_bytes > 0
+        a = Assignment(epoch=1, model=ident, windows=(WindowSpec(0, 2),), successor="tcp://127.0.0.1:9", n_ctx=64,
+                       n_batch=32, n_ubatch=32)
+        with pytest.raises(NodeError, match="gave no holder to fetch it from: upgrade the head") as e:
+            client.load(a)
+        assert e.value.code == "wrong_model"
+        reply = decode_reply(client.client.request(encode(GetProfile(model=layout.identity)), 5.0))
+        assert isinstance(reply, ErrorReply) and "upgrade the head" in reply.message
+        client.close()
+        cluster = Cluster(head, ClusterSettings(nodes=tuple(nodes.addresses)), ident)  # no layout: no file to serve
+        try:
+            with pytest.raises(NodeError, match="or with --model-dir to fetch the layers it runs from the head"):
+                cluster.connect()
+        finally:
+            cluster.close()
