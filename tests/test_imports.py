@@ -23,7 +23,7 @@ ALLOWED = {
     "scheduler": {"core", "decoding"},
     "profiler": {"core", "engine", "memory"},
     "device": {"core", "engine", "memory", "profiler"},
-    "store": {"core", "wire", "transport", "engine"},
+    "store": {"core", "wire", "transport", "engine", "memory"},
     "node": {"core", "wire", "transport", "engine", "memory", "profiler", "device", "store"},
     "head": {"core", "wire", "transport", "engine", "memory", "profiler", "scheduler", "device", "decoding", "store"},
     "server": {"core"},

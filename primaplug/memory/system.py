@@ -125,6 +125,20 @@ def linux_kernel(platform_name: str | None = None) -> bool:
     return name.startswith("linux") or name == "android"
 
 
+def fd_path(fd: int, st: os.stat_result) -> str | None:
+    """A name that opens the file held by `fd` itself, or None where there is none. Only /proc/self/fd on Linux's
+    kernel (Android's too): macOS's /dev/fd/N duplicates the descriptor, so every open of it would share (and move)
+    one file offset, which llama.cpp's sequential header reads do not expect."""
+    if not linux_kernel():
+        return None
+    path = f"/proc/self/fd/{fd}"
+    try:
+        seen = os.stat(path)
+    except OSError:
+        return None
+    return path if (seen.st_dev, seen.st_ino) == (st.st_dev, st.st_ino) else None
+
+
 def detect_os(platform_name: str, system: str, env: Mapping[str, str], has_build_prop: bool) -> OsName:
     """Whose memory rules apply, from sys.platform, platform.system(), the environment and whether
     /system/build.prop exists: "macos", "android" (memory/android.py: is_android; HarmonyOS under Termux too), else

@@ -17,7 +17,7 @@ import stat
 from pathlib import Path
 
 from primaplug.core.errors import ConfigError, PrimaplugError
-from primaplug.memory.system import linux_kernel
+from primaplug.memory.system import fd_path
 
 
 class ModelFileChangedError(PrimaplugError):
@@ -39,7 +39,7 @@ class HeldFile:
             raise ConfigError(f"model file {given} is not a regular file")
         self.fd = fd
         self._stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        self.path = _fd_path(fd, st) or os.fspath(given)
+        self.path = fd_path(fd, st) or os.fspath(given)
         self.by_fd = self.path != os.fspath(given)
 
     @property
@@ -72,17 +72,3 @@ class HeldFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-
-def _fd_path(fd: int, st: os.stat_result) -> str | None:
-    """A name that opens the file held by `fd` itself, or None where there is none. Only /proc/self/fd on Linux's
-    kernel (Android's too): macOS's /dev/fd/N duplicates the descriptor, so every open of it would share (and move)
-    one file offset, which llama.cpp's sequential header reads do not expect."""
-    if not linux_kernel():
-        return None
-    path = f"/proc/self/fd/{fd}"
-    try:
-        seen = os.stat(path)
-    except OSError:
-        return None
-    return path if (seen.st_dev, seen.st_ino) == (st.st_dev, st.st_ino) else None

@@ -17,7 +17,6 @@ import hashlib
 import logging
 import os
 import shutil
-import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -26,6 +25,7 @@ import msgspec
 
 from primaplug.core.errors import ConfigError, ModelFormatError, PrimaplugError
 from primaplug.engine import ModelLayout, read_layout
+from primaplug.memory.system import fd_path
 from primaplug.store.manifest import IDENTITY, check_identity, check_manifest, piece_plan
 from primaplug.wire import Manifest
 
@@ -66,8 +66,7 @@ class SparseCopy:
             os.close(self.fd)
             raise
         # readers (llama.cpp, the prefetcher) open the file held here, whatever its name names (node/files.py)
-        proc = f"/proc/self/fd/{self.fd}"
-        self.reader_path = proc if sys.platform.startswith("linux") and os.path.exists(proc) else str(self.path)
+        self.reader_path = fd_path(self.fd, os.fstat(self.fd)) or str(self.path)
         self._verified: set[int] = set()  # pieces hashed by this process since the file last changed
         self._stamp = self._now_stamp()
         self._layout: ModelLayout | None = None
