@@ -414,3 +414,19 @@ def test_a_node_that_cannot_fetch_is_refused_with_the_fix(streaming_model: Path,
                 cluster.connect()
         finally:
             cluster.close()
+
+
+def test_a_copy_is_read_through_its_descriptor_as_a_held_file_is(served, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy's readers open the file the store holds, on Android (sys.platform "android") as on Linux."""
+    import sys
+
+    honest, _ = served
+    for name, by_fd in (("android", True), ("darwin", False)):
+        monkeypatch.setattr(sys, "platform", name)
+        store = Store(tmp_path / name)
+        try:
+            copy = store.copy(honest.file.manifest, "m.gguf")
+            assert copy.reader_path == (f"/proc/self/fd/{copy.fd}" if by_fd else str(copy.path)), name
+        finally:
+            store.close()
