@@ -32,6 +32,7 @@ from primaplug.transport.keys import generate_keys
 from primaplug.wire import ErrorReply, FileSource, GetManifest, PieceData, ReadPiece, decode_request, encode
 
 MiB = 2**20
+ROOM = 1024 * MiB  # a model folder's room where the test is not about it: the disk's free space does not matter
 
 
 @pytest.fixture
@@ -78,7 +79,7 @@ def test_a_node_fetches_exactly_its_pieces_and_they_are_the_files(streaming_mode
                                                                    transport: ZmqTransport, served) -> None:
     holder, source = served
     layout = read_layout(streaming_model)
-    store = Store(tmp_path / "models")
+    store = Store(tmp_path / "models", ROOM)
     fetcher = Fetcher(transport, source, layout.identity)
     copy, fetched = _copy(store, fetcher)
     assert fetched.identity == layout.identity
@@ -101,7 +102,7 @@ def test_a_cut_off_fetch_resumes_where_it_stopped(streaming_model: Path, tmp_pat
                                                   served) -> None:
     _, source = served
     model = read_layout(streaming_model).identity
-    store = Store(tmp_path / "models")
+    store = Store(tmp_path / "models", ROOM)
     copy, layout = _copy(store, Fetcher(transport, source, model))
     need = needed_pieces(layout, range(layout.n_layer))
     calls = []
@@ -111,7 +112,7 @@ def test_a_cut_off_fetch_resumes_where_it_stopped(streaming_model: Path, tmp_pat
     held = dict(copy.held)
     assert 0 < len(held) < len(need)
     store.close()
-    again = Store(tmp_path / "models")  # a node restarted: the record says what its copy holds
+    again = Store(tmp_path / "models", ROOM)  # a node restarted: the record says what its copy holds
     copy = again.copies[model]
     assert copy.held.keys() == held.keys()
     rest = Fetcher(transport, source, model)
@@ -123,7 +124,7 @@ def test_a_corrupted_piece_is_found_and_fetched_again(streaming_model: Path, tmp
                                                       served) -> None:
     _, source = served
     model = read_layout(streaming_model).identity
-    store = Store(tmp_path / "models")
+    store = Store(tmp_path / "models", ROOM)
     fetcher = Fetcher(transport, source, model)
     copy, layout = _copy(store, fetcher)
     need = needed_pieces(layout, [5])
@@ -175,7 +176,7 @@ def test_a_holder_that_lies_is_dropped_and_the_next_one_serves(streaming_model: 
         # a manifest other than the head's is refused at once; the lying pieces fail their hashes
         fetcher = Fetcher(transport, FileSource((fake.address, liar.address, source.holders[0]),
                                                 source.manifest_sha256), model)
-        store = Store(tmp_path / "models")
+        store = Store(tmp_path / "models", ROOM)
         copy, layout = _copy(store, fetcher)
         assert "manifest other than the head's" in fetcher.dropped[fake.address]
         assert "do not match their hash" in fetcher.dropped[liar.address]
@@ -199,7 +200,7 @@ def test_the_disk_budget_drops_the_least_recently_used_layers(streaming_model: P
     _, source = served
     model = read_layout(streaming_model).identity
     layout = read_layout(streaming_model)
-    probe = Store(tmp_path / "probe")
+    probe = Store(tmp_path / "probe", ROOM)
     header = probe.copy(file_manifest(streaming_model, layout, cache_dir=tmp_path / "m"), "m.gguf").bytes_of(
         needed_pieces(layout, []))
     room = header + sum(layout.layer_bytes(il) for il in range(3)) + MiB  # three layers and a little
@@ -227,7 +228,7 @@ def test_a_holder_serves_models_by_identity_only(streaming_model: Path, tmp_path
     far = answer(ReadPiece(model=model, index=10**9), "h", lambda m: honest.file)
     assert isinstance(far, ErrorReply) and far.code == "bad_request"
     assert answer(GetManifest(model=model), "h", lambda m: honest.file) == honest.file.manifest
-    store = Store(tmp_path / "models")
+    store = Store(tmp_path / "models", ROOM)
     copy = store.copy(honest.file.manifest, "m.gguf")  # an empty copy: a node that holds nothing yet
     lacks = answer(ReadPiece(model=model, index=3), "node", store.copies.get)
     assert isinstance(lacks, ErrorReply) and lacks.code == "missing"
@@ -247,7 +248,7 @@ def test_fetching_over_curve_keys(streaming_model: Path, tmp_path: Path) -> None
                                                                                 cache_dir=tmp_path / "m"))
     try:
         source = FileSource((holder.address,), holder.file.manifest.digest())
-        copy, fetched = _copy(Store(tmp_path / "models"), Fetcher(secure, source, layout.identity))
+        copy, fetched = _copy(Store(tmp_path / "models", ROOM), Fetcher(secure, source, layout.identity))
         assert fetched.identity == layout.identity
         outsider = ZmqTransport(generate_keys(tmp_path / "other.key"))  # another cluster's key: never answered
         try:
@@ -276,7 +277,7 @@ def test_nodes_without_the_file_fetch_their_windows_and_give_plains_tokens(gemma
 
     folders = [tmp_path / "d1", tmp_path / "d2"]
     with LocalNodes([None, None], 2, log_dir=tmp_path / "logs",
-                    node_args=[["--model-dir", str(f)] for f in folders]) as nodes:
+                    node_args=[["--model-dir", str(f), "--disk-budget", "1024"] for f in folders]) as nodes:
         llm = primaplug.Llama(str(gemma_path), nodes=nodes.addresses, layers=[6, 6, 6], scheduler="even", **kwargs)
         try:
             text = llm(prompt, max_tokens=24, temperature=0)["choices"][0]["text"]
@@ -317,11 +318,11 @@ def test_the_plan_adds_the_slowest_fetch_to_the_first_token() -> None:
 
 
 def test_a_model_folder_is_one_nodes(tmp_path: Path) -> None:
-    store = Store(tmp_path / "models")
+    store = Store(tmp_path / "models", ROOM)
     with pytest.raises(ConfigError, match="another node uses"):
-        Store(tmp_path / "models")
+        Store(tmp_path / "models", ROOM)
     store.close()
-    Store(tmp_path / "models").close()  # free again once the first has gone
+    Store(tmp_path / "models", ROOM).close()  # free again once the first has gone
 
 
 def test_a_node_serves_what_its_copy_holds_to_another(streaming_model: Path, tmp_path: Path,
@@ -329,7 +330,7 @@ def test_a_node_serves_what_its_copy_holds_to_another(streaming_model: Path, tmp
     """A peer with a copy is a holder too: it serves the pieces it holds and says which it lacks."""
     _, source = served
     model = read_layout(streaming_model).identity
-    first = Store(tmp_path / "a")
+    first = Store(tmp_path / "a", ROOM)
     fetcher = Fetcher(transport, source, model)
     copy, layout = _copy(first, fetcher)
     fetcher.fetch(copy, needed_pieces(layout, [1, 2]))
@@ -346,7 +347,7 @@ def test_a_node_serves_what_its_copy_holds_to_another(streaming_model: Path, tmp
     thread.start()
     try:
         peer = Fetcher(transport, FileSource((server.address,), source.manifest_sha256), model)
-        second = Store(tmp_path / "b")
+        second = Store(tmp_path / "b", ROOM)
         other, _ = _copy(second, peer)
         need = needed_pieces(layout, [1, 2])
         peer.fetch(other, need)
@@ -382,8 +383,28 @@ def test_a_node_needs_a_model_or_a_folder(tmp_path: Path) -> None:
         NodeSettings(models=()).check()
     with pytest.raises(ConfigError, match="--disk-budget is the room of the model folder: give --model-dir"):
         NodeSettings(models=(tmp_path / "model.gguf",), disk_budget_bytes=2**30).check()
-    with pytest.raises(ConfigError, match="a size of 0 or more"):
-        NodeSettings(models=(), model_dir=tmp_path, disk_budget_bytes=-1).check()
+    for size in (-1, 0):  # a folder with no room could fetch nothing
+        with pytest.raises(ConfigError, match="a size of 1 MiB or more"):
+            NodeSettings(models=(), model_dir=tmp_path, disk_budget_bytes=size).check()
+
+
+def test_the_default_budget_is_the_free_disk_less_a_margin_and_a_full_disk_is_named(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --disk-budget a folder may take what its disk has free at start, less 1 GiB, plus what its copies
+    hold already. A disk with less than that free is named at start, with the fix, not taken as "no folder"."""
+    import shutil
+
+    free = {"bytes": 3 * 2**30}
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=free["bytes"]))
+    store = Store(tmp_path / "models")
+    assert store.budget_bytes == 2 * 2**30
+    store.close()
+    free["bytes"] = 613 * MiB
+    with pytest.raises(ConfigError, match=r"has 613 MiB free, and a node leaves 1024 MiB of it free by default: "
+                                          r"free some space, or give the folder's room with --disk-budget MiB"):
+        Store(tmp_path / "models")
+    Store(tmp_path / "models", ROOM).close()  # the lock was let go; a budget given needs no free disk
 
 
 def test_a_node_that_cannot_fetch_is_refused_with_the_fix(streaming_model: Path, tmp_path: Path) -> None:
@@ -396,7 +417,7 @@ def test_a_node_that_cannot_fetch_is_refused_with_the_fix(streaming_model: Path,
 
     layout = read_layout(streaming_model)
     ident = ModelIdentity.of(layout, streaming_model.name)
-    with InprocNodes([], 1, model_dir=tmp_path / "models") as nodes:
+    with InprocNodes([], 1, model_dir=tmp_path / "models", disk_budget_bytes=ROOM) as nodes:
         head = nodes.head_transport()
         client = NodeClient(head, nodes.addresses[0])
         assert client.hello().device.disk_budget_bytes > 0
@@ -424,7 +445,7 @@ def test_a_copy_is_read_through_its_descriptor_as_a_held_file_is(served, tmp_pat
     honest, _ = served
     for name, by_fd in (("android", True), ("darwin", False)):
         monkeypatch.setattr(sys, "platform", name)
-        store = Store(tmp_path / name)
+        store = Store(tmp_path / name, ROOM)
         try:
             copy = store.copy(honest.file.manifest, "m.gguf")
             assert copy.reader_path == (f"/proc/self/fd/{copy.fd}" if by_fd else str(copy.path)), name

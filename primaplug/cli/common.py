@@ -167,7 +167,9 @@ def node_addresses(args: argparse.Namespace, path: Path) -> Iterator[list[str]]:
     try:
         t0 = time.perf_counter()
         n = args.local_nodes
-        local = (LocalNodes([None] * n, n, log_dir=logs, node_args=[["--model-dir", f"{folders}/node{i + 1}"]
+        # a local node's copy never holds more than the file: that is its folder's room, whatever the disk has free
+        room = ["--disk-budget", str(-(-path.stat().st_size // 2**20))]
+        local = (LocalNodes([None] * n, n, log_dir=logs, node_args=[["--model-dir", f"{folders}/node{i + 1}", *room]
                                                                       for i in range(n)])
                  if folders else LocalNodes(path, n, log_dir=logs))
         try:

@@ -104,9 +104,9 @@ class NodeSettings:
         if not self.models and self.model_dir is None:
             raise ConfigError("a node needs a model: --model FILE, or --model-dir DIR to fetch the layers it runs "
                               "from the head")
-        if self.disk_budget_bytes is not None and (self.model_dir is None or self.disk_budget_bytes < 0):
-            raise ConfigError("--disk-budget is the room of the model folder: give --model-dir, and a size of 0 or "
-                              "more")
+        if self.disk_budget_bytes is not None and (self.model_dir is None or self.disk_budget_bytes <= 0):
+            raise ConfigError("--disk-budget is the room of the model folder: give --model-dir, and a size of 1 MiB "
+                              "or more")
         if not self.release_after_s >= 0:  # NaN too
             raise ConfigError(f"--release-after must be 0 (never) or a number of seconds, not {self.release_after_s}")
         for m in self.models:

@@ -208,7 +208,13 @@ class Store:
             if copy is not None:
                 self.copies[copy.identity] = copy
         if budget_bytes is None:  # what the disk has free now, less a margin, plus what the copies hold already
-            budget_bytes = max(0, shutil.disk_usage(self.folder).free - FREE_MARGIN_BYTES) + self.held_bytes
+            free = shutil.disk_usage(self.folder).free
+            budget_bytes = max(0, free - FREE_MARGIN_BYTES) + self.held_bytes
+            if budget_bytes == 0:
+                self.close()
+                raise ConfigError(f"the disk of the model folder {self.folder} has {free / 2**20:.0f} MiB free, and "
+                                  f"a node leaves {FREE_MARGIN_BYTES >> 20} MiB of it free by default: free some "
+                                  "space, or give the folder's room with --disk-budget MiB")
         self.budget_bytes = budget_bytes
 
     def _open(self, record: Path) -> SparseCopy | None:
