@@ -154,9 +154,14 @@ def model_file(size: str, layers: int, *, shallow: int = 0, deep_scale: float = 
 
 
 def ring_run(devices: list[Device], model: Path, work: Path, *, rounds: int, flags: list[str], tokens: int,
-             prompt: int, threads: int, split: str = "model") -> dict[str, Any]:
+             prompt: int, threads: int, split: str = "model", rooms: str = "plan") -> dict[str, Any]:
+    """`rooms`: "plan", each streaming node's room as the plan chooses it from the ring's timing
+    (scheduler/rooms.py), or "own", each node's own rule."""
+    import numpy as np
+
     import primaplug
     from primaplug.engine import read_layout
+    from primaplug.scheduler.rooms import choose_rooms
 
     layout = read_layout(model)
     layer_bytes = sum(layout.layer_bytes(il) for il in range(layout.n_layer)) / layout.n_layer
@@ -164,8 +169,12 @@ def ring_run(devices: list[Device], model: Path, work: Path, *, rounds: int, fla
         p = ring_platform(devices, model, tb.available_bytes())
         sizes = (model_windows(p, rounds) if split == "model"
                  else memory_then_disk(devices, layer_bytes, layout.n_layer // rounds, rounds))
+        w = np.array([0, *sizes])
+        chosen = choose_rooms(p, rounds, w, np.zeros_like(w))  # the head first, as ring_platform has it
+        stream_rooms = list(chosen.rooms[1:]) if rooms == "plan" else [0] * len(sizes)
         t0 = time.perf_counter()
         llm = primaplug.Llama(model, nodes=tb.addresses, route=tb.route, layers=[*sizes, 0], rounds=rounds,
+                              stream_rooms=stream_rooms,
                               n_ctx=512, n_batch=64, n_ubatch=16, n_threads=threads, node_threads=threads,
                               timeout_s=120, logits_all=True, verbose=False)
         deployed = time.perf_counter() - t0
@@ -179,10 +188,16 @@ def ring_run(devices: list[Device], model: Path, work: Path, *, rounds: int, fla
             llm.close()
         peaks = tb.peak_memory_bytes()
     memory = watch.summary()
-    predicted = predicted_tpot(p, rounds, sizes)
+    ring_model = predicted_tpot(p, rounds, sizes)
+    # what the plan predicts (Plan.total_s): round by round where it sent rooms, else the ring model
+    predicted = chosen.tpot_s if any(stream_rooms) else ring_model
     return {
         "rounds": rounds, "layers_per_round": sizes, "flags": flags, "deploy_s": round(deployed, 2), **timed,
         "predicted_tpot_s": round(predicted, 3), "measured_over_predicted": round(timed["tpot_s"] / predicted, 3),
+        # the rooms sent (0: the node's own rule); the ring model, and the per-round model (scheduler/rooms.py)
+        # with each node's own rule
+        "stream_rooms": stream_rooms, "ring_model_tpot_s": round(ring_model, 3),
+        "round_model_own_rule_tpot_s": round(chosen.own_rule_s, 3),
         "device_bytes": [int(n * rounds * layer_bytes) for n in sizes],
         "nodes": [{"name": d.name, "memory_mode": s.memory_mode,
                    "major_faults_per_token": round(s.major_faults_per_token, 1),
@@ -210,6 +225,9 @@ def compute_rate(model: Path, threads: int, prompt: int) -> float:
 def _line(name: str, r: dict[str, Any]) -> None:
     nodes = " ".join(f"{n['major_faults_per_token']:.0f}f/{n['memory_pressure']:.1%}" for n in r.get("nodes", []))
     pred = f" (predicted {r['predicted_tpot_s']:.2f})" if "predicted_tpot_s" in r else ""
+    if "stream_rooms" in r:
+        pred += (f" (ring model {r['ring_model_tpot_s']:.2f}, own rule round by round "
+                 f"{r['round_model_own_rule_tpot_s']:.2f}; rooms {' '.join(map(str, r['stream_rooms']))})")
     print(f"  {name:<34} TTFT {r['ttft_s']:7.2f} s  TPOT {r['tpot_s']:7.2f} s{pred}  {nodes}", file=sys.stderr)
 
 
@@ -268,6 +286,9 @@ def main() -> int:
                     "nothing (for comparing node flags)")
     ap.add_argument("--ring-only-json", metavar="FILE", help="with --ring-only: the last run's record, to FILE")
     ap.add_argument("--node-flag", action="append", default=[], help="a flag for every node (with --ring-only)")
+    ap.add_argument("--rooms", choices=("plan", "own"), default="plan",
+                    help="each streaming node's room: as the plan chooses it from the ring's timing (default), or "
+                    "each node's own rule (a window's layers and one), for comparisons")
     ap.add_argument("--memory-factor", type=float, default=1.0,
                     help="multiply every device's memory (2: the second device set of docs/memory.md)")
     ap.add_argument("--workdir", default=str(CACHE / "testbed"), help="model copies and node logs")
@@ -283,7 +304,7 @@ def main() -> int:
     print(f"{model.name}: {model.stat().st_size / 1e9:.2f} GB = {model.stat().st_size / caps:.2f}x the caps' "
           f"{caps / 1e9:.2f} GB", file=sys.stderr)
     work = Path(a.workdir)
-    kw = dict(tokens=a.tokens, prompt=a.prompt, threads=a.threads, split=a.split)
+    kw = dict(tokens=a.tokens, prompt=a.prompt, threads=a.threads, split=a.split, rooms=a.rooms)
     runs: dict[str, Any] = {}
     if a.ring_only:
         for k in (int(x) for x in a.ring_only.split(",")):

@@ -127,8 +127,8 @@ def test_a_node_goes_layer_by_layer_by_itself_only_where_whole_windows_would_fau
     """--layer-streaming auto (the default): where a whole window's prefetch leaves more than READ_AHEAD_SLACK of it
     to fault in page by page (the window is larger than its room), layer by layer; where the windows' streamed
     parts fit their prefetch room, whole windows, which were faster there (docs/memory.md)."""
+    from primaplug.core.budget import READ_AHEAD_SLACK
     from primaplug.device.memory import faults_in
-    from primaplug.memory.prefetcher import READ_AHEAD_SLACK
 
     big = [[(il * 32 * MiB, 32 * MiB) for il in range(w * 2, w * 2 + 2)] for w in range(3)]  # 64 MiB windows
     tight = plan_prefetch(big, 40 * MiB)  # less than a window: most of it would fault in

@@ -96,15 +96,17 @@ def test_a_head_whose_windows_do_not_fit_streams_them(streaming_model: Path, tmp
 
 
 
-def _released_per_token(model: Path, log_dir: Path, node_args: list[str]) -> tuple[list[int], list[float]]:
-    """Greedy tokens, and the bytes each node released per decoded token (the prompt left out)."""
+def _released_per_token(model: Path, log_dir: Path, node_args: list[str], **head: object
+                        ) -> tuple[list[int], list[float]]:
+    """Greedy tokens, and the bytes each node released per decoded token (the prompt left out); `head`: more
+    arguments for the head (primaplug.Llama)."""
     import numpy as np
 
     import primaplug
     from primaplug.head.launch import LocalNodes
 
     with LocalNodes(model, 2, log_dir=log_dir, extra_args=node_args) as local:
-        llm = primaplug.Llama(model, nodes=local.addresses, scheduler="even", node_threads=1, **LLAMA_KWARGS)
+        llm = primaplug.Llama(model, nodes=local.addresses, scheduler="even", node_threads=1, **LLAMA_KWARGS, **head)
         try:
             llm.reset()
             llm.eval([3 + 5 * i for i in range(40)])
@@ -136,8 +138,8 @@ def test_streaming_layer_by_layer_releases_what_its_plan_streams(streaming_model
     """A window larger than the budget: whole-window streaming (--layer-streaming=off) re-reads all of it every
     token; layer by layer (what a node chooses by itself here), each layer is released as soon as it is done and no
     more than the plan streams is released (the plan leaves room for a window's layers ahead, and keeps a part of
-    every layer only where the budget holds more). With --stream-room 1, room for one streamed layer at a time,
-    more of every layer is kept and less released. Same tokens."""
+    every layer only where the budget holds more). With room for one streamed layer at a time, as a plan may send
+    it (Assignment.stream_room, scheduler/rooms.py), more of every layer is kept and less released. Same tokens."""
     from primaplug.core import LayerRange
     from primaplug.engine import read_layout
     from primaplug.memory.policy import plan_prefetch
@@ -154,7 +156,7 @@ def test_streaming_layer_by_layer_releases_what_its_plan_streams(streaming_model
     budget = ["--memory-budget", str(budget_mib)]
     whole_tokens, whole = _released_per_token(streaming_model, tmp_path / "a", [*budget, "--layer-streaming=off"])
     layer_tokens, layered = _released_per_token(streaming_model, tmp_path / "b", budget)  # auto: layer by layer
-    room_tokens, one = _released_per_token(streaming_model, tmp_path / "c", [*budget, "--stream-room", "1"])
+    room_tokens, one = _released_per_token(streaming_model, tmp_path / "c", budget, stream_rooms=[1, 1])
     assert layer_tokens == whole_tokens == room_tokens
     for w, s, r in zip(whole, layered, one, strict=True):
         assert w >= 0.9 * window_bytes, "whole windows: all of it released, and re-read, every token"

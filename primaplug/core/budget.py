@@ -6,3 +6,6 @@ MARGIN = 0.05  # of total memory, left out of a node's budget for the OS and the
 # hot set: the layer computing, and the next one's predicted choice (memory/experts.py)
 EXPERT_WORKING_LAYERS = 2
 MAX_KEEP = 0.95  # the largest fraction of every streamed layer a node keeps resident (memory/policy.py)
+# a prefetch that leaves at most this much of its window to fault in still reads ahead (a window a few MiB over
+# the room, as the scheduler's windows often are, then streams at the disk's rate instead of page by page)
+READ_AHEAD_SLACK = 16 << 20

@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from primaplug.core.budget import EXPERT_WORKING_LAYERS, MARGIN
+from primaplug.core.budget import EXPERT_WORKING_LAYERS, MARGIN, READ_AHEAD_SLACK
 from primaplug.core.errors import WindowRangeError
 from primaplug.core.windows import LayerRange
 from primaplug.engine import ModelLayout
 from primaplug.memory.policy import PrefetchPlan, plan_prefetch
-from primaplug.memory.prefetcher import READ_AHEAD_SLACK, Switches
+from primaplug.memory.prefetcher import Switches
 from primaplug.memory.system import MemoryView, memory_view
 from primaplug.profiler.model import compute_buffer_layers_bytes
 

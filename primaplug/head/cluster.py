@@ -72,6 +72,9 @@ class ClusterSettings:
     rounds: int = 1
     gpu_layers: tuple[int, ...] | None = None  # per node: how many of the first layers of each window go on its GPU
     head_gpu_layers: int = 0  # the head alone (no nodes): how many of the first layers of each of its windows
+    # per node: layers of room beside the kept part when it streams layer by layer (Assignment.stream_room; 0 or
+    # None: the node's own rule); a plan brings its own (scheduler/rooms.py)
+    stream_rooms: tuple[int, ...] | None = None
     n_ctx: int = _RUN.n_ctx  # positions a sequence may hold
     n_parallel: int = _RUN.n_parallel  # sequences every window's cache holds (requests in flight)
     n_batch: int = _RUN.n_batch
@@ -141,6 +144,7 @@ class Cluster:
         self.head_ranges: list[LayerRange] = []
         self.node_ranges: list[list[LayerRange]] = []
         self.node_gpu: list[int] = []  # per node: layers of each of its windows on its GPU
+        self.node_room: list[int] = []  # per node: Assignment.stream_room
         self.head_gpu = 0  # layers of each of the head's windows on its GPU
         self._outs: list[RingOut] = []
 
@@ -254,6 +258,8 @@ class Cluster:
         self.node_ranges, self.head_ranges = per_device[:-1], per_device[-1]
         gpu = list(s.gpu_layers or ())
         self.node_gpu = [gpu[i] if i < len(gpu) else 0 for i in range(len(self.nodes))]
+        rooms = list(s.stream_rooms or ())
+        self.node_room = [rooms[i] if i < len(rooms) else 0 for i in range(len(self.nodes))]
 
     # --- planning from measurements --------------------------------------------------------------------------
 
@@ -352,6 +358,7 @@ class Cluster:
         self.nodes = [n for n, _ in keep]
         self.node_ranges = [list(d.windows) for _, d in keep]
         self.node_gpu = [d.n for _, d in keep]
+        self.node_room = [d.room for _, d in keep]
         self.head_ranges = list(plan.head.windows)
         self.head_gpu = plan.head.n  # a head with a GPU gets GPU layers from Halda and the baselines too
 
@@ -385,7 +392,8 @@ class Cluster:
             windows = tuple(WindowSpec(r.start, r.end, min(self.node_gpu[i], r.n_layers)) for r in self.node_ranges[i])
             n.load(Assignment(epoch=self.epoch, model=self.model, windows=windows, successor=self._successor(i),
                               n_ctx=s.n_ctx * s.n_parallel, n_batch=s.n_batch, n_ubatch=s.n_ubatch,
-                              n_threads=s.n_threads, n_seq_max=s.n_parallel), self.source(n))
+                              n_threads=s.n_threads, n_seq_max=s.n_parallel,
+                              stream_room=self.node_room[i] if i < len(self.node_room) else 0), self.source(n))
         t0 = time.perf_counter()
         self._wait_loaded(self.epoch, report=True)
         nodes = tuple((n.name, tuple(r)) for n, r in zip(self.nodes, self.node_ranges, strict=True))
@@ -480,6 +488,7 @@ class Cluster:
                 with contextlib.suppress(NodeError, NodeUnavailableError, ProtocolError):
                     n.release()
         self.nodes, self.node_ranges, self.node_gpu = list(nodes), ranges[:-1], list(gpu)
+        self.node_room = [0] * len(self.nodes)  # rooms were chosen for the ring before: each node's own rule now
         self.epoch = max(int(time.time() * 1000), self.epoch + 1)
         self.deploy()
 

@@ -70,6 +70,9 @@ class Llama(RingLlama):
             one per node; with a split by hand only (layers, or "even"). Without nodes, one number: layers of each
             of the head's windows on this device's GPU (-ngl). A node, or this device, whose engine has no GPU
             refuses GPU layers, saying so; a planning scheduler gives a head with a GPU its GPU layers itself.
+        stream_rooms: with a split by hand, per node, how many layers of room a node that streams leaves beside
+            the part of every layer it keeps (0: its own rule, a window's layers and one); a planning scheduler
+            chooses them from the ring's timing (scheduler/rooms.py, docs/memory.md).
         memory_budget: bytes the head's own windows' weights may use (default: what this device has available,
             less KV cache, buffers, the output layer and 5%); windows that do not fit are streamed, as on a node.
             A planning scheduler sees it as the head's available memory (PlanSettings.head_memory_bytes), so the
@@ -128,6 +131,7 @@ class Llama(RingLlama):
         timeout_s: float = _RUN.timeout_s,
         node_threads: int = _RUN.node_threads,
         node_gpu_layers: int | Sequence[int] = 0,
+        stream_rooms: Sequence[int] | None = None,
         memory_budget: int | None = None,
         memory_switches: Switches | None = None,
         events: Events | None = None,
@@ -165,6 +169,10 @@ class Llama(RingLlama):
         if len(gpu) != len(nodes) or min(gpu, default=0) < 0:
             raise ConfigError(f"node_gpu_layers needs one count (0 or more) per node ({len(nodes)}), or one for "
                               f"every node; got {list(gpu)}")
+        rooms = tuple(stream_rooms or ())
+        if rooms and (len(rooms) != len(nodes) or min(rooms) < 0 or planned or plan is not None):
+            raise ConfigError(f"stream_rooms is one count of layers (0 or more) per node ({len(nodes)}), for a split "
+                              f"by hand (layers, or scheduler 'even'): a plan chooses its own; got {list(rooms)}")
         if planned and any(gpu):
             raise ConfigError(f"node_gpu_layers (-ngl) is for a split by hand (layers / --layers, or scheduler "
                               f"'even'): the {scheduler} scheduler picks each device's GPU layers from its profile")
@@ -194,7 +202,7 @@ class Llama(RingLlama):
                                    n_ctx=n_ctx, n_parallel=n_parallel, n_batch=n_batch, n_ubatch=n_ubatch,
                                    n_threads=node_threads,
                                    listen=listen, timeout_s=timeout_s, route=route, gpu_layers=gpu,
-                                   head_gpu_layers=head_gpu)
+                                   head_gpu_layers=head_gpu, stream_rooms=rooms or None)
         self._cluster: Cluster | None = None
         self._device: DeviceWindows | None = None
         self.plan: Plan | None = None  # the scheduler's plan, when one was made

@@ -7,6 +7,7 @@ import queue
 import threading
 from dataclasses import dataclass
 
+from primaplug.core.budget import READ_AHEAD_SLACK
 from primaplug.memory.advice import Advisor
 from primaplug.memory.policy import Action, PrefetchPlan, Schedule
 from primaplug.memory.residency import resident_bytes
@@ -14,9 +15,6 @@ from primaplug.memory.system import major_faults, thread_major_faults
 
 log = logging.getLogger(__name__)
 
-# a prefetch that leaves at most this much of its window to fault in still reads ahead (a window a few MiB over
-# the room, as the scheduler's windows often are, then streams at the disk's rate instead of page by page)
-READ_AHEAD_SLACK = 16 << 20
 
 
 @dataclass(frozen=True)

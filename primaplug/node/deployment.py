@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -22,6 +23,16 @@ from primaplug.wire import Activation, Assignment, ExpertTraffic, KvOp, window_o
 log = logging.getLogger(__name__)
 
 
+def planned_room(memory: MemorySettings | None, room: int) -> MemorySettings:
+    """The node's memory settings with the room the plan chose (Assignment.stream_room). The node's own
+    --layer-streaming and --stream-room flags, set for comparisons, win over the plan."""
+    memory = memory or MemorySettings()
+    sw = memory.switches
+    if room < 1 or sw.layers is not None or sw.room_layers is not None:
+        return memory
+    return dataclasses.replace(memory, switches=dataclasses.replace(sw, layers=True, room_layers=room))
+
+
 @dataclass
 class Deployment:
     assignment: Assignment
@@ -38,8 +49,8 @@ class Deployment:
         gpu = [il for w in a.windows for il in range(w.start, w.start + w.gpu_layers)]
         context = ContextSettings(n_ctx=a.n_ctx, n_batch=a.n_batch, n_ubatch=a.n_ubatch, n_threads=a.n_threads,
                                   n_seq_max=a.n_seq_max, poll=BUSY_POLL, pin_threads=pin_threads)
-        device = DeviceWindows.load(path, layout, ranges, context=context, memory=memory, gpu_layers=gpu,
-                                    progress=progress)
+        device = DeviceWindows.load(path, layout, ranges, context=context, memory=planned_room(memory, a.stream_room),
+                                    gpu_layers=gpu, progress=progress)
         try:
             out = transport.ring_out(a.successor)
         except BaseException:

@@ -12,6 +12,7 @@ from primaplug.core.windows import LayerRange, check_cover, execution_order, rin
 from primaplug.decoding import SpeculationEstimate
 from primaplug.scheduler.latency import SET_NAMES, DeviceSet, Platform, assign_sets, predict
 from primaplug.scheduler.ring import predict_ring
+from primaplug.scheduler.rooms import Rooms, choose_rooms
 
 GIB = 1024**3
 
@@ -33,6 +34,7 @@ class DevicePlan:
     disk_s: float
     network_s: float
     fault_s: float = 0.0  # ring model: the part of disk_s the token waits for (the rest overlaps other devices)
+    room: int = 0  # ring model: layers of room when it streams layer by layer (scheduler/rooms.py; 0: its own rule)
 
     @property
     def total_s(self) -> float:
@@ -85,6 +87,7 @@ class Plan:
     speculation: SpeculationEstimate | None = None  # with a draft on the head: whether drafting pays here
     experts: ExpertBytes | None = None  # a mixture of experts' layer as the plan priced it
     fetches: tuple[Fetch, ...] = ()  # nodes that fetch what they lack of the model before the first token
+    rooms: Rooms | None = None  # ring model: the rooms chosen from the ring's timing, where they pay
 
     @property
     def head(self) -> DevicePlan:
@@ -129,7 +132,9 @@ class Plan:
     @property
     def total_s(self) -> float:
         """Predicted time per token: the sum over devices (paper), or the longer of the chain and the busiest
-        device's own time (ring)."""
+        device's own time (ring); with rooms chosen from the ring's timing, the per-round model that chose them."""
+        if self.rooms is not None and any(self.rooms.rooms):
+            return self.rooms.tpot_s
         if self.latency_model == "ring":
             return max(self.chain_s, max(d.compute_s + d.memory_s + d.disk_s for d in self.devices))
         return sum(d.total_s for d in self.devices)
@@ -137,11 +142,15 @@ class Plan:
     def describe(self) -> str:
         """A readable table of the plan (what `primaplug plan` prints)."""
         ring = " -> ".join(d.name for d in self.ring)
+        rooms = self.rooms if self.rooms is not None and any(self.rooms.rooms) else None
         lines = [
             f"plan by {self.scheduler}: {self.n_layer} layers, {self.k} round(s), {len(self.devices)} device(s); "
             f"ring: {ring} (head: {self.head.name})",
             f"predicted {_ms(self.total_s)} ms/token = compute {_ms(self.compute_s)} + memory {_ms(self.memory_s)}"
             f" + disk {_ms(self.disk_s)} + network {_ms(self.network_s)}" if self.latency_model == "paper" else
+            f"predicted {_ms(self.total_s)} ms/token round by round (scheduler/rooms.py): each device's turn its "
+            f"compute or the reading its room could not hold ahead, no disk reading for longer than a round"
+            if rooms is not None else
             f"predicted {_ms(self.total_s)} ms/token (ring model): the longer of the token's path, "
             f"{_ms(self.chain_s)} ms (compute, memory, network, {_ms(sum(d.fault_s for d in self.devices))} of "
             f"pages faulting in), and the busiest device's own time, disk reads overlapping the others",
@@ -160,6 +169,11 @@ class Plan:
             lines.append("  ".join(c.ljust(wd) if i in left else c.rjust(wd)
                                    for i, (c, wd) in enumerate(zip(r, widths, strict=True))).rstrip())
         lines += [f"dropped {d.name}: {d.reason}" for d in self.dropped]
+        if rooms is not None:
+            chosen = ", ".join(f"{d.name} {d.room}" for d in self.ring if d.room)
+            lines.append(f"rooms chosen from the ring's timing (layers read ahead beside the kept part of every "
+                         f"layer, streaming layer by layer): {chosen}; with each node's own rule "
+                         f"{_ms(rooms.own_rule_s)} ms/token")
         if self.speculation is not None:
             lines.append(self.speculation.describe())
         if fetching := describe_fetches(self.fetches):
@@ -207,7 +221,9 @@ def build_plan(
     if sets is None:
         sets = tuple(SET_NAMES[s] for s in assign_sets(p, k, w, n))
     pred = predict(p, k, np.maximum(w, 1), n)  # memory use (the paper's) of a head with no layer: as with one
+    rooms = None
     if latency_model == "ring":
+        rooms = choose_rooms(p, k, w, n)
         ring = predict_ring(p, k, w, n)
         parts = [ring.compute_s, ring.memory_s, ring.disk_s, ring.network_s, ring.fault_s, ring.read_bytes]
     else:
@@ -218,9 +234,9 @@ def build_plan(
             name=p.names[i], w=int(w[i]), n=int(n[i]), windows=windows[i], device_set=sets[i],
             ram_bytes=int(pred.ram_bytes[i]), vram_bytes=int(pred.vram_bytes[i]), disk_bytes=int(read[i]),
             compute_s=float(compute[i]), memory_s=float(memory[i]), disk_s=float(disk[i]),
-            network_s=float(network[i]), fault_s=float(fault[i]),
+            network_s=float(network[i]), fault_s=float(fault[i]), room=rooms.rooms[i] if rooms else 0,
         )
         for i in range(m)
     )
     return Plan(scheduler=scheduler, k=k, n_layer=p.n_layer, devices=devices, dropped=tuple(dropped),
-                latency_model=latency_model, experts=p.experts)
+                latency_model=latency_model, experts=p.experts, rooms=rooms)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Literal
 
@@ -14,6 +15,7 @@ from primaplug.scheduler.halda import HaldaResult, Solution, gpu_layer_cap, hald
 from primaplug.scheduler.latency import DEFAULT_SLOW_DISK_BPS, Platform, no_spill_capacity, platform
 from primaplug.scheduler.plan import GIB, DroppedDevice, Plan, build_plan
 from primaplug.scheduler.ring import best_placement
+from primaplug.scheduler.rooms import choose_rooms
 
 Scheduler = Literal["halda", "memory", "compute"]
 SCHEDULERS: tuple[Scheduler, ...] = ("halda", "memory", "compute")
@@ -154,11 +156,17 @@ def _solve_halda(p: Platform, slow_disk_bps: float, rounds: int | None, latency_
 
 
 def _ring_halda(p: Platform, rounds: Sequence[int] | None = None) -> HaldaResult | None:
-    """The ring model's optimum over every k (or the given ones), in the shape Halda's answer takes."""
+    """The ring model's optimum over every k (or the given ones), in the shape Halda's answer takes. Each k's
+    placement is priced with the rooms its streaming devices would get (scheduler/rooms.py), where they pay."""
     best: Solution | None = None
     for k in rounds or valid_rounds(p.n_layer, p.n_devices):
-        found = best_placement(p, k, beat=best.objective_s if best else np.inf)
-        if found is not None and (best is None or found.objective_s < best.objective_s):
+        found = best_placement(p, k)
+        if found is None:
+            continue
+        rooms = choose_rooms(p, k, found.w, found.n)
+        if any(rooms.rooms):
+            found = dataclasses.replace(found, objective_s=rooms.tpot_s)
+        if best is None or found.objective_s < best.objective_s:
             best = found
     if best is None:
         return None

@@ -88,6 +88,9 @@ class Assignment(msgspec.Struct, frozen=True):
     n_ubatch: int
     n_threads: int = 0  # 0: every core of the node
     n_seq_max: int = 1  # sequences (requests in flight) each window's cache holds
+    # a node that streams goes layer by layer with room for this many layers beside the kept part, as the plan
+    # chose from the ring's timing (scheduler/rooms.py); 0: the node's own rule (device/memory.py)
+    stream_room: int = 0
 
     @property
     def n_ctx_seq(self) -> int:

@@ -1,0 +1,123 @@
+"""Rooms chosen from the ring's timing (scheduler/rooms.py): the per-round model by hand, the node's policy it mirrors,
+where rooms pay and where each node's own rule stays, and how a plan's room reaches a node (Assignment.stream_room)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from primaplug.core.errors import ConfigError
+from primaplug.device import MemorySettings
+from primaplug.memory.policy import PAGE, plan_prefetch
+from primaplug.memory.prefetcher import Switches
+from primaplug.node.deployment import planned_room
+from primaplug.scheduler import solve
+from primaplug.scheduler.latency import platform
+from primaplug.scheduler.rooms import GAIN, PAGE_BY_PAGE, ROOM_SLACK, Turn, choose_rooms, layer_turn, round_s
+from tests.test_scheduler_halda import device, model
+
+MB = 1e6
+
+
+def test_a_round_is_the_turns_or_the_busiest_disk_by_hand() -> None:
+    a = Turn(0.1, 0.01, need_bytes=100 * MB, room_bytes=60 * MB, disk_bps=100 * MB)  # 40 MB left to its turn: 0.4 s
+    b = Turn(0.3, 0.01)  # holds its windows: its compute
+    assert round_s([a, b]) == pytest.approx(1.0)  # a's disk reads 100 MB a round: 1 s, longer than the turns' 0.72
+    small = Turn(0.1, 0.01, need_bytes=20 * MB, room_bytes=60 * MB, disk_bps=100 * MB)
+    assert round_s([small, b]) == pytest.approx(0.42)  # all of it read ahead: the turns, 0.1 + 0.3 + the hops
+    tight = Turn(0.1, 0.01, need_bytes=50 * MB, room_bytes=10 * MB, disk_bps=100 * MB)
+    assert round_s([tight, b]) == pytest.approx(0.4 + 0.3 + 0.02)  # 40 MB in its own turn: 0.4 s of it
+
+
+@pytest.mark.parametrize(("budget_layers", "room"), [(5.0, 1), (5.0, 2), (3.5, 3), (9.5, 4)])
+def test_the_model_keeps_what_the_node_keeps(budget_layers: float, room: int) -> None:
+    """layer_turn's kept fraction and room are plan_prefetch's with slots = room (the node's plan, layer by layer)."""
+    layer, layers, per_window = 16384 * PAGE, 12, 3
+    budget = int(budget_layers * layer)
+    plan = plan_prefetch([[(i * layer, layer)] for i in range(layers)], budget, unit="layer", slots=room)
+    turn = layer_turn(Turn(0.0, 0.0, disk_bps=100 * MB), budget, layers, per_window, layer, room)
+    assert turn is not None
+    kept = 1 - turn.need_bytes / (per_window * layer)
+    assert kept == pytest.approx(plan.keep_fraction, abs=2 * PAGE / layer)
+    streamed = (1 - plan.keep_fraction) * layer
+    ahead = min(room, int((budget - plan.keep_bytes) // streamed))  # Schedule's lookahead: whole layers that fit
+    assert turn.room_bytes == pytest.approx(ahead * streamed, rel=1e-3)
+
+
+def test_no_room_for_a_layer_reads_it_page_by_page_and_a_room_under_the_slack_is_never_planned() -> None:
+    layer = 64 * MB
+    base = Turn(0.0, 0.0, disk_bps=100 * MB)
+    paged = layer_turn(base, 0.5 * layer, 8, 4, layer, 1)  # half a layer of budget
+    assert paged is not None and paged.room_bytes == 0 and paged.disk_bps == pytest.approx(100 * MB * PAGE_BY_PAGE)
+    # a budget of 6 of 8 layers: room for one layer keeps 71% of each, and holds 18 MB, under ROOM_SLACK
+    assert layer_turn(base, 6 * layer, 8, 4, layer, 1) is None
+    fits = layer_turn(base, 6 * layer, 8, 4, layer, 4)  # keeps half of each, and holds 4 x 32 MB
+    assert fits is not None and fits.room_bytes >= ROOM_SLACK
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_rooms_search_is_exact(seed: int) -> None:
+    """_best_rooms against every combination of options: the shortest round, found over bounds on the disks."""
+    import itertools
+
+    from primaplug.scheduler.rooms import _best_rooms
+
+    rng = np.random.default_rng(seed)
+    options = []
+    for _ in range(4):
+        n = int(rng.integers(1, 6))
+        options.append([(r, Turn(float(rng.uniform(0, 0.5)), 0.01, need_bytes=float(rng.uniform(0, 300)) * MB,
+                                 room_bytes=float(rng.uniform(0, 200)) * MB, disk_bps=float(rng.uniform(30, 130)) * MB))
+                        for r in range(n)])
+    rooms, best = _best_rooms(options)
+    brute = min(round_s([o[i][1] for o, i in zip(options, pick, strict=True)])
+                for pick in itertools.product(*(range(len(o)) for o in options)))
+    assert best == pytest.approx(brute, rel=1e-12)
+    assert round_s([dict(o)[r] for o, r in zip(options, rooms, strict=True)]) == pytest.approx(best, rel=1e-12)
+
+
+def two_disks() -> tuple[list, object]:
+    """Two equal nodes that must stream, their disks taking turns (tests/test_scheduler_ring.py's instance)."""
+    devices = [device("head", ram_gb=0.4, disk=3e7), device("a", ram_gb=0.8, disk=1.2e8),
+               device("b", ram_gb=0.8, disk=1.21e8)]
+    return devices, model(32, layer_gb=0.1, n_kv=512, output_bytes=10_000_000)
+
+
+def test_rooms_pay_where_disks_take_turns_and_the_plan_sends_them() -> None:
+    devices, m = two_disks()
+    plan = solve(devices, m, latency_model="ring", slow_disk_bps=1e7)
+    p = platform(devices, m, slow_disk_bps=1e7)
+    w = np.array([d.w for d in plan.devices])
+    chosen = choose_rooms(p, plan.k, w, np.zeros_like(w))
+    assert any(chosen.rooms) and chosen.tpot_s < chosen.own_rule_s * (1 - GAIN)
+    assert tuple(d.room for d in plan.devices) == chosen.rooms and plan.head.room == 0
+    assert plan.total_s == pytest.approx(chosen.tpot_s)
+
+
+def test_devices_that_fit_keep_their_own_rule() -> None:
+    devices = [device("head", ram_gb=8, disk=3e7), device("a", ram_gb=8, disk=1.2e8), device("b", ram_gb=8, disk=1e8)]
+    m = model(32, layer_gb=0.1, n_kv=512, output_bytes=10_000_000)
+    plan = solve(devices, m, latency_model="ring")
+    assert plan.rooms is not None and not any(plan.rooms.rooms)
+    assert plan.rooms.tpot_s == plan.rooms.own_rule_s
+    assert "rooms chosen" not in plan.describe()
+    assert plan.total_s == pytest.approx(max(plan.chain_s, max(d.compute_s + d.memory_s + d.disk_s
+                                                                  for d in plan.devices)))
+
+
+def test_a_plans_room_reaches_the_node_unless_its_own_flags_say_otherwise() -> None:
+    assert planned_room(None, 0) == MemorySettings()
+    got = planned_room(MemorySettings(budget_bytes=5), 2)
+    assert got.switches.layers is True and got.switches.room_layers == 2 and got.budget_bytes == 5
+    for flags in (Switches(layers=False), Switches(layers=True), Switches(room_layers=3)):  # set for comparisons
+        mine = MemorySettings(switches=flags)
+        assert planned_room(mine, 2) is mine
+
+
+def test_stream_rooms_by_hand_are_one_count_per_node(streaming_model) -> None:  # noqa: ANN001
+    import primaplug
+
+    nodes = ["127.0.0.1:9", "127.0.0.1:10"]
+    for rooms, extra in (([1], {"layers": [4, 4]}), ([1, -1], {"layers": [4, 4]}), ([1, 2], {})):
+        with pytest.raises(ConfigError, match="stream_rooms is one count of layers"):
+            primaplug.Llama(streaming_model, nodes=nodes, stream_rooms=rooms, **extra)
