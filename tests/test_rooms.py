@@ -92,6 +92,11 @@ def test_rooms_pay_where_disks_take_turns_and_the_plan_sends_them() -> None:
     assert any(chosen.rooms) and chosen.tpot_s < chosen.own_rule_s * (1 - GAIN)
     assert tuple(d.room for d in plan.devices) == chosen.rooms and plan.head.room == 0
     assert plan.total_s == pytest.approx(chosen.tpot_s)
+    from primaplug.tui.render import plan_summary
+
+    for text in (plan.describe(), plan_summary(plan).plain):  # `primaplug plan` and the dashboard's Plan pane
+        assert "round by round" in text and "rooms chosen from the ring's timing" in text, text
+        assert all(f"{d.name} {d.room}" in text for d in plan.devices if d.room)
 
 
 def test_devices_that_fit_keep_their_own_rule() -> None:

@@ -139,6 +139,15 @@ class Plan:
             return max(self.chain_s, max(d.compute_s + d.memory_s + d.disk_s for d in self.devices))
         return sum(d.total_s for d in self.devices)
 
+    def describe_rooms(self) -> str:
+        """The rooms the plan sends ("" for none: every node keeps its own rule)."""
+        if self.rooms is None or not any(self.rooms.rooms):
+            return ""
+        chosen = ", ".join(f"{d.name} {d.room}" for d in self.ring if d.room)
+        return (f"rooms chosen from the ring's timing (layers read ahead beside the kept part of every layer, "
+                f"streaming layer by layer): {chosen}; with each node's own rule {_ms(self.rooms.own_rule_s)} "
+                "ms/token")
+
     def describe(self) -> str:
         """A readable table of the plan (what `primaplug plan` prints)."""
         ring = " -> ".join(d.name for d in self.ring)
@@ -170,10 +179,7 @@ class Plan:
                                    for i, (c, wd) in enumerate(zip(r, widths, strict=True))).rstrip())
         lines += [f"dropped {d.name}: {d.reason}" for d in self.dropped]
         if rooms is not None:
-            chosen = ", ".join(f"{d.name} {d.room}" for d in self.ring if d.room)
-            lines.append(f"rooms chosen from the ring's timing (layers read ahead beside the kept part of every "
-                         f"layer, streaming layer by layer): {chosen}; with each node's own rule "
-                         f"{_ms(rooms.own_rule_s)} ms/token")
+            lines.append(self.describe_rooms())
         if self.speculation is not None:
             lines.append(self.speculation.describe())
         if fetching := describe_fetches(self.fetches):

@@ -135,7 +135,9 @@ def plan_summary(plan: Plan) -> Text:
     out = Text()
     out.append(f"{plan.scheduler}: {plan.k} round(s) over {len(plan.devices)} device(s), predicted ")
     out.append(f"{_ms(plan.total_s)} ms/token", style="bold")
-    if plan.latency_model == "ring":
+    if rooms := plan.describe_rooms():
+        out.append(f" (round by round)\n{rooms}")
+    elif plan.latency_model == "ring":
         out.append(f" (the token's path {_ms(plan.chain_s)} ms; the busiest device's own time, disk reads "
                    "overlapping the others)")
     if plan.experts is not None:
