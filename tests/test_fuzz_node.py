@@ -210,8 +210,8 @@ class ControlFuzz:
 
         rng = self.rng
         a = copy.deepcopy(self.assignment)
-        where = rng.choice(["n_ctx", "n_batch", "n_ubatch", "n_threads", "n_seq_max", "epoch", "windows", "window",
-                            "successor", "model", "model", "extra"])
+        where = rng.choice(["n_ctx", "n_batch", "n_ubatch", "n_threads", "n_seq_max", "stream_room", "epoch",
+                            "windows", "window", "successor", "model", "model", "extra"])
         if where == "windows":
             a["windows"] = rng.choice([[], [{"start": 0, "end": 0}] * self.n_layer,
                                        [{"start": 0, "end": 0}] * (self.n_layer + 1), [{"start": 0, "end": 0}] * 100000,
@@ -236,7 +236,7 @@ class ControlFuzz:
             a["epoch"] = _value(rng)
         else:
             a[where] = _value(rng, {"n_ctx": N_CTX, "n_batch": N_BATCH, "n_ubatch": N_UBATCH, "n_threads": 1,
-                                    "n_seq_max": N_SEQ}[where])
+                                    "n_seq_max": N_SEQ, "stream_room": 1}[where])
         if rng.random() < 0.1:
             del a[rng.choice(list(a))]
         return f"load {where}", self.named({"kind": "load", "assignment": a})

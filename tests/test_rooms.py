@@ -3,6 +3,7 @@ where rooms pay and where each node's own rule stays, and how a plan's room reac
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -126,3 +127,17 @@ def test_stream_rooms_by_hand_are_one_count_per_node(streaming_model) -> None:  
     for rooms, extra in (([1], {"layers": [4, 4]}), ([1, -1], {"layers": [4, 4]}), ([1, 2], {})):
         with pytest.raises(ConfigError, match="stream_rooms is one count of layers"):
             primaplug.Llama(streaming_model, nodes=nodes, stream_rooms=rooms, **extra)
+
+
+def test_a_node_refuses_a_room_no_window_could_use(streaming_model) -> None:  # noqa: ANN001
+    from primaplug.engine import read_layout
+    from primaplug.node.daemon import _check_assignment
+    from primaplug.wire import Assignment, ModelIdentity, WindowSpec
+
+    layout = read_layout(streaming_model)
+    a = Assignment(epoch=1, model=ModelIdentity.of(layout, "m.gguf"), windows=(WindowSpec(0, 3), WindowSpec(4, 6)),
+                   successor="tcp://127.0.0.1:9", n_ctx=64, n_batch=32, n_ubatch=32)
+    for room in (0, 1, 4):
+        assert _check_assignment(msgspec.structs.replace(a, stream_room=room), layout) == ""
+    for room in (-1, 5, 2**40):
+        assert "a room of" in _check_assignment(msgspec.structs.replace(a, stream_room=room), layout)

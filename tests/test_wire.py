@@ -134,6 +134,20 @@ def test_unknown_fields_are_ignored_and_wrong_types_refused() -> None:
         decode_request(msgspec.msgpack.encode({"kind": "format_disk"}))
 
 
+def test_a_head_tag_past_its_bounds_is_refused() -> None:
+    """A node keeps the head that holds it and names it in every refusal: an id of 100000 characters (the fuzzer's,
+    with take_over) once took a node from its head."""
+    import msgspec
+
+    raw = {"kind": "status", "head": {"id": "x" * 100000, "name": "h"}}
+    with pytest.raises(ProtocolError, match="a head's id is 1 to 64 characters"):
+        decode_request(msgspec.msgpack.encode(raw))
+    for head in ({"id": "", "name": "h"}, {"id": "ab", "name": "n" * 2000}):
+        with pytest.raises(ProtocolError, match="a head's id"):
+            decode_request(msgspec.msgpack.encode({**raw, "head": head}))
+    assert decode_request(msgspec.msgpack.encode({**raw, "head": {"id": "ab", "name": "h"}})).head.id == "ab"
+
+
 def _fields(s) -> dict:
     import msgspec
 

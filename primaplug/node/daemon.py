@@ -628,6 +628,9 @@ def _check_assignment(a: Assignment, layout: ModelLayout) -> str:
         return f"{a.n_seq_max} sequences need batches of at least as many rows (n_batch is {a.n_batch})"
     if a.n_ctx < a.n_seq_max:
         return f"a context of {a.n_ctx} positions leaves none to each of {a.n_seq_max} sequences"
+    widest = max(w.end - w.start for w in a.windows)
+    if not 0 <= a.stream_room <= widest + 1:  # room for more than a window's layers and one holds nothing more
+        return f"a room of {a.stream_room} layers: 0 (the node's own rule) to a window's layers and one ({widest + 1})"
     if any(w.gpu_layers for w in a.windows) and gpu.engine_backend() == "cpu":
         # llama.cpp would run them on the CPU without a word, from copies in anonymous memory that the plan
         # counted as VRAM (docs/gpu.md)

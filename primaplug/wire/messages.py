@@ -118,6 +118,9 @@ class ExpertTraffic(msgspec.Struct, frozen=True):
                 f"predicted")
 
 
+MAX_HEAD_ID, MAX_HEAD_TEXT = 64, 1024  # a head's id is 16 hex digits (head/identity.py); its name and address short
+
+
 class HeadTag(msgspec.Struct, frozen=True):
     """The head that sends a request. A node belongs to one head at a time (node/owner.py): the head whose
     requests it last accepted, for as long as that head keeps speaking (HEAD_LEASE_S)."""
@@ -127,6 +130,11 @@ class HeadTag(msgspec.Struct, frozen=True):
     address: str = ""  # where it receives the ring's output ("" before it listens)
     started: float = 0.0  # Unix time the head started
     served: int = 0  # requests it has completed
+
+    def __post_init__(self) -> None:  # checked as it is decoded: a node keeps the head that holds it, and shows it
+        if not 0 < len(self.id) <= MAX_HEAD_ID or max(len(self.name), len(self.address)) > MAX_HEAD_TEXT:
+            raise ValueError(f"a head's id is 1 to {MAX_HEAD_ID} characters, its name and address at most "
+                             f"{MAX_HEAD_TEXT}")
 
 
 class Holder(msgspec.Struct, frozen=True):
