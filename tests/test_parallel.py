@@ -113,7 +113,9 @@ def test_requests_in_flight_get_the_tokens_they_get_alone(gemma_path: Path, node
 def test_mixture_of_experts_requests_in_flight_get_what_they_get_alone(moe_paths: dict[str, Path], nodes: Any,
                                                                         arch: str) -> None:
     """Mixtures of experts, three requests at once over two nodes: each routes its own tokens to its own experts,
-    and gets the tokens plain llama-cpp-python gives it alone."""
+    and gets the tokens plain llama-cpp-python gives it alone. One trip in the ring at a time, so that their steps
+    travel together whatever the timing: with a trip per device, three requests on three devices could each have
+    its own trip (the suite once saw 32 trips of one step each)."""
     import llama_cpp
 
     import primaplug
@@ -130,7 +132,8 @@ def test_mixture_of_experts_requests_in_flight_get_what_they_get_alone(moe_paths
             alone[tuple(p)] = plain.create_completion(p, max_tokens=MAX_TOKENS, temperature=0.0)["choices"][0]["text"]
     finally:
         plain.close()
-    llm = primaplug.Llama(moe_path, nodes=nodes.addresses, node_threads=1, layers=[3, 3, 1], n_parallel=3, **KWARGS)
+    llm = primaplug.Llama(moe_path, nodes=nodes.addresses, node_threads=1, layers=[3, 3, 1], n_parallel=3,
+                          ring_trips=1, **KWARGS)
     try:
         start = threading.Barrier(len(prompts))
 
