@@ -7,6 +7,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from primaplug.core.budget import ROOM_SLACK
 from primaplug.core.errors import ConfigError
 from primaplug.device import MemorySettings
 from primaplug.memory.policy import PAGE, plan_prefetch
@@ -14,7 +15,7 @@ from primaplug.memory.prefetcher import Switches
 from primaplug.node.deployment import planned_room
 from primaplug.scheduler import solve
 from primaplug.scheduler.latency import platform
-from primaplug.scheduler.rooms import GAIN, PAGE_BY_PAGE, ROOM_SLACK, Turn, choose_rooms, layer_turn, round_s
+from primaplug.scheduler.rooms import GAIN, PAGE_BY_PAGE, Turn, choose_rooms, layer_turn, round_s
 from tests.test_scheduler_halda import device, model
 
 MB = 1e6
@@ -32,28 +33,31 @@ def test_a_round_is_the_turns_or_the_busiest_disk_by_hand() -> None:
 
 @pytest.mark.parametrize(("budget_layers", "room"), [(5.0, 1), (5.0, 2), (3.5, 3), (9.5, 4)])
 def test_the_model_keeps_what_the_node_keeps(budget_layers: float, room: int) -> None:
-    """layer_turn's kept fraction and room are plan_prefetch's with slots = room (the node's plan, layer by layer)."""
+    """layer_turn's kept fraction and room are plan_prefetch's with slots = room (the node's plan, layer by layer),
+    room_slack included; what it reads ahead is what Schedule's lookahead fits."""
     layer, layers, per_window = 16384 * PAGE, 12, 3
     budget = int(budget_layers * layer)
     plan = plan_prefetch([[(i * layer, layer)] for i in range(layers)], budget, unit="layer", slots=room)
-    turn = layer_turn(Turn(0.0, 0.0, disk_bps=100 * MB), budget, layers, per_window, layer, room)
-    assert turn is not None
+    turn, _ = layer_turn(Turn(0.0, 0.0, disk_bps=100 * MB), budget, layers, per_window, layer, room)
     kept = 1 - turn.need_bytes / (per_window * layer)
     assert kept == pytest.approx(plan.keep_fraction, abs=2 * PAGE / layer)
     streamed = (1 - plan.keep_fraction) * layer
-    ahead = min(room, int((budget - plan.keep_bytes) // streamed))  # Schedule's lookahead: whole layers that fit
+    ahead = min(layers, int((budget - plan.keep_bytes) // streamed))  # Schedule's lookahead: whole layers that fit
     assert turn.room_bytes == pytest.approx(ahead * streamed, rel=1e-3)
 
 
-def test_no_room_for_a_layer_reads_it_page_by_page_and_a_room_under_the_slack_is_never_planned() -> None:
+def test_no_room_for_a_layer_reads_it_page_by_page_and_the_slack_binds_small_rooms() -> None:
     layer = 64 * MB
     base = Turn(0.0, 0.0, disk_bps=100 * MB)
-    paged = layer_turn(base, 0.5 * layer, 8, 4, layer, 1)  # half a layer of budget
-    assert paged is not None and paged.room_bytes == 0 and paged.disk_bps == pytest.approx(100 * MB * PAGE_BY_PAGE)
-    # a budget of 6 of 8 layers: room for one layer keeps 71% of each, and holds 18 MB, under ROOM_SLACK
-    assert layer_turn(base, 6 * layer, 8, 4, layer, 1) is None
-    fits = layer_turn(base, 6 * layer, 8, 4, layer, 4)  # keeps half of each, and holds 4 x 32 MB
-    assert fits is not None and fits.room_bytes >= ROOM_SLACK
+    paged, _ = layer_turn(base, 0.5 * layer, 8, 4, layer, 1)  # half a layer of budget
+    assert paged.room_bytes == 0 and paged.disk_bps == pytest.approx(100 * MB * PAGE_BY_PAGE)
+    # a budget of 6 of 8 layers: room for one layer would keep 71% of each and hold 18 MB, under ROOM_SLACK, so the
+    # node keeps less (68%), and the plan never sends such a room (choose_rooms)
+    tight, bound = layer_turn(base, 6 * layer, 8, 4, layer, 1)
+    kept = (6 * layer - ROOM_SLACK) / (8 * layer)
+    assert bound and tight.need_bytes == pytest.approx(4 * layer * (1 - kept))
+    roomy, bound = layer_turn(base, 6 * layer, 8, 4, layer, 4)  # keeps half of each, and holds 4 x 32 MB
+    assert not bound and roomy.room_bytes >= ROOM_SLACK
 
 
 @pytest.mark.parametrize("seed", range(5))

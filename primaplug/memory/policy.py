@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from primaplug.core.budget import MAX_KEEP
+from primaplug.core.budget import MAX_KEEP, room_slack
 
 PAGE = mmap.PAGESIZE
 Ranges = tuple[tuple[int, int], ...]  # (offset, length) in the file
@@ -104,7 +104,8 @@ def plan_prefetch(windows: Sequence[Sequence[tuple[int, int]]], budget_bytes: in
     """Plan for windows (or layers: `unit`) given as their tensors' byte ranges, within a budget for weights.
 
     With keep, the kept fraction is the largest that still leaves room for two streamed units at once
-    (so the next can be prefetched while the current runs), or else for one. A single window that does not fit
+    (so the next can be prefetched while the current runs), or else for one, and at least room_slack beside it
+    (core/budget.py: what else the node's memory holds must fit there). A single window that does not fit
     keeps nothing: keeping as much of it as the budget holds and letting the rest fault in was tried on the
     emulated cluster and ran 1.65x slower in a one-off run (docs/memory.md): the kernel cannot tell kept pages
     from the streamed ones faulting in beside them and evicts both. A node plans such a window layer by
@@ -125,6 +126,7 @@ def plan_prefetch(windows: Sequence[Sequence[tuple[int, int]]], budget_bytes: in
         slots = slots or (2 if early else 1)  # f * total + slots * (1 - f) * largest <= budget
         room, need = budget_bytes - slots * largest, total - slots * largest
         fraction = max(0.0, min(MAX_KEEP, room / need)) if need > 0 and room > 0 else 0.0
+        fraction = min(fraction, max(0.0, (budget_bytes - room_slack(budget_bytes)) / total))
     kept: list[tuple[int, int]] = []
     streamed: list[Ranges] = []
     for w in windows:

@@ -23,16 +23,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from primaplug.core.budget import MARGIN, MAX_KEEP, READ_AHEAD_SLACK
+from primaplug.core.budget import MARGIN, MAX_KEEP, READ_AHEAD_SLACK, room_slack
 from primaplug.scheduler.latency import MACOS_METAL, Platform
 from primaplug.scheduler.ring import predict_ring, stream_bytes
 
 PAGE_BY_PAGE = 0.25  # the share of a disk's rate that pages faulting in one by one reach
 GAIN = 0.03  # rooms the nodes' own rule does not choose are sent only where the model expects this much less time
-# the least room a device may leave: less, and what else the node's memory holds (its runtime's growth, the kernel's)
-# pushes kept pages out, which then fault in page by page. Measured on the emulated cluster with twice the memory:
-# room for 2 layers of 4 MiB streamed parts (f = 0.93) faulted in 60 MB a token and ran 14% slower than the own rule
-ROOM_SLACK = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -71,21 +67,22 @@ def round_s(turns: Sequence[Turn]) -> float:
 
 
 def layer_turn(base: Turn, budget: float, layers: int, per_window: int, layer_bytes: float,
-               room: int) -> Turn | None:
+               room: int) -> tuple[Turn, bool]:
     """A device streaming `layers` layers a token layer by layer, `per_window` of them a window, with room for
-    `room` layers beside the kept part (memory/policy.py: plan_prefetch with slots=room, then Schedule's
-    lookahead, which asks for a layer only once it fits whole); None where that room is under ROOM_SLACK."""
-    f = 0.0
+    `room` layers beside the kept part (memory/policy.py: plan_prefetch with slots=room, and at least room_slack
+    beside it; then Schedule's lookahead, which reads ahead as many whole layers as fit); and whether room_slack
+    bound it (the device keeps nearly all its budget, in parts too small for its room)."""
+    f, slack_bound = 0.0, False
     if layers > room and budget > room * layer_bytes:
         f = min(MAX_KEEP, (budget - room * layer_bytes) / ((layers - room) * layer_bytes))
+        least_room = max(0.0, (budget - room_slack(budget)) / (layers * layer_bytes))
+        f, slack_bound = min(f, least_room), least_room < f
     part = (1 - f) * layer_bytes
-    if f > 0 and room * part < ROOM_SLACK:
-        return None
     # (the node sizes its plan in whole pages, so its room holds them all; 1e-9: a quotient of exactly r)
-    ahead = min(room, math.floor((budget - f * layers * layer_bytes) / part + 1e-9)) if part > 0 else room
+    ahead = min(layers, math.floor((budget - f * layers * layer_bytes) / part + 1e-9)) if part > 0 else room
     if ahead < 1:  # not one layer fits beside the kept part: it faults in as the window computes
-        return Turn(base.compute_s, base.hop_s, per_window * part, 0.0, base.disk_bps * PAGE_BY_PAGE)
-    return Turn(base.compute_s, base.hop_s, per_window * part, ahead * part, base.disk_bps)
+        return Turn(base.compute_s, base.hop_s, per_window * part, 0.0, base.disk_bps * PAGE_BY_PAGE), slack_bound
+    return Turn(base.compute_s, base.hop_s, per_window * part, ahead * part, base.disk_bps), slack_bound
 
 
 def choose_rooms(p: Platform, k: int, w: Sequence[int] | np.ndarray, n: Sequence[int] | np.ndarray) -> Rooms:
@@ -115,17 +112,19 @@ def choose_rooms(p: Platform, k: int, w: Sequence[int] | np.ndarray, n: Sequence
 
     def own_rule(m: int) -> Turn:  # device/memory.py: whole windows unless they would fault in
         if faulted[m] / k > READ_AHEAD_SLACK:
-            own = layer_turn(base[m], budget[m], int(lc[m]), int(per_window[m]), p.layer_bytes, int(per_window[m]) + 1)
-            if own is not None:
-                return own
+            return layer_turn(base[m], budget[m], int(lc[m]), int(per_window[m]), p.layer_bytes,
+                              int(per_window[m]) + 1)[0]
         return Turn(base[m].compute_s, base[m].hop_s, read[m] / k, (read[m] - faulted[m]) / k, base[m].disk_bps)
 
-    # each device's options, (room, turn): its own rule (0), and each room from 1 to a window's layers and one
+    # each device's options, (room, turn): its own rule (0), and each room from 1 to a window's layers and one, but
+    # for those room_slack binds: measured, such rooms of a few MiB a layer faulted in most of what they streamed
+    # (twice the memory: 60-80 MB a token on d3, 2.3-3.0 s against 1.95-2.12 with the nodes' own rules)
     options = [[(0, own_rule(m) if m in candidates else base[m])] for m in range(p.n_devices)]
     for m in candidates:
-        turns = ((r, layer_turn(base[m], budget[m], int(lc[m]), int(per_window[m]), p.layer_bytes, r))
-                 for r in range(1, int(per_window[m]) + 2))
-        options[m] += [(r, t) for r, t in turns if t is not None]
+        for r in range(1, int(per_window[m]) + 2):
+            turn, slack_bound = layer_turn(base[m], budget[m], int(lc[m]), int(per_window[m]), p.layer_bytes, r)
+            if not slack_bound:
+                options[m].append((r, turn))
     own_s = k * round_s([o[0][1] for o in options])
     rooms, best = _best_rooms(options)
     if k * best > own_s * (1 - GAIN):
