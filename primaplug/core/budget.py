@@ -16,8 +16,9 @@ READ_AHEAD_SLACK = 16 << 20
 # 1.95 s in 2; with this room, 1.95 s in 3 of 3. With room for two 4 MiB streamed layers, d3 at k = 2 faulted in
 # 60 MB a token
 ROOM_SLACK = 32 << 20
+ROOM_SLACK_SHARE = 8  # of a budget under 256 MiB, the room instead (a small budget still keeps most of every layer)
 
 
 def room_slack(budget_bytes: float) -> float:
-    """ROOM_SLACK, or an eighth of a budget under 256 MiB (a small one still keeps most of every layer)."""
-    return min(ROOM_SLACK, budget_bytes / 8)
+    """The least room beside what a node keeps: ROOM_SLACK, or a ROOM_SLACK_SHARE-th of a smaller budget."""
+    return min(ROOM_SLACK, budget_bytes / ROOM_SLACK_SHARE)

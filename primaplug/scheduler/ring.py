@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from primaplug.core.budget import EXPERT_WORKING_LAYERS, MARGIN, MAX_KEEP, ROOM_SLACK
+from primaplug.core.budget import EXPERT_WORKING_LAYERS, MARGIN, MAX_KEEP, ROOM_SLACK, ROOM_SLACK_SHARE
 from primaplug.scheduler.halda import Solution, gpu_layer_cap
 from primaplug.scheduler.latency import MACOS_METAL, Platform
 
@@ -45,7 +45,8 @@ def stream_bytes(budget: np.ndarray, window: np.ndarray, k: int) -> tuple[np.nda
     room0, need = budget - slots * window, total - slots * window
     with np.errstate(divide="ignore", invalid="ignore"):
         f = np.where((need > 0) & (room0 > 0), np.clip(room0 / np.where(need > 0, need, 1.0), 0.0, MAX_KEEP), 0.0)
-        f = np.minimum(f, np.maximum(0.0, (budget - np.minimum(ROOM_SLACK, budget / 8)) / total))  # room_slack
+        slack = np.minimum(ROOM_SLACK, budget / ROOM_SLACK_SHARE)  # core/budget.py: room_slack, vectorised
+        f = np.minimum(f, np.maximum(0.0, (budget - slack) / total))
     kept = f * total
     streamed = (1 - f) * window  # per window
     room = np.maximum(0.0, np.where(early, (budget - kept) / 2, budget - kept))

@@ -75,8 +75,8 @@ def layer_turn(base: Turn, budget: float, layers: int, per_window: int, layer_by
     f, slack_bound = 0.0, False
     if layers > room and budget > room * layer_bytes:
         f = min(MAX_KEEP, (budget - room * layer_bytes) / ((layers - room) * layer_bytes))
-        least_room = max(0.0, (budget - room_slack(budget)) / (layers * layer_bytes))
-        f, slack_bound = min(f, least_room), least_room < f
+        slack_keep = max(0.0, (budget - room_slack(budget)) / (layers * layer_bytes))  # the most that leaves it
+        f, slack_bound = min(f, slack_keep), slack_keep < f
     part = (1 - f) * layer_bytes
     # (the node sizes its plan in whole pages, so its room holds them all; 1e-9: a quotient of exactly r)
     ahead = min(layers, math.floor((budget - f * layers * layer_bytes) / part + 1e-9)) if part > 0 else room
