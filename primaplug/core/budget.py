@@ -22,3 +22,15 @@ ROOM_SLACK_SHARE = 8  # of a budget under 256 MiB, the room instead (a small bud
 def room_slack(budget_bytes: float) -> float:
     """The least room beside what a node keeps: ROOM_SLACK, or a ROOM_SLACK_SHARE-th of a smaller budget."""
     return min(ROOM_SLACK, budget_bytes / ROOM_SLACK_SHARE)
+
+
+def kept_fraction(budget_bytes: float, total_bytes: float, unit_bytes: float, slots: float) -> float:
+    """The largest fraction of every streamed unit (window or layer) a node keeps that leaves room for `slots`
+    units' streamed parts beside it (f * total + slots * (1 - f) * unit <= budget), at most MAX_KEEP."""
+    room, need = budget_bytes - slots * unit_bytes, total_bytes - slots * unit_bytes
+    return max(0.0, min(MAX_KEEP, room / need)) if need > 0 and room > 0 else 0.0
+
+
+def slack_fraction(budget_bytes: float, total_bytes: float) -> float:
+    """The largest fraction of `total_bytes` a node keeps that still leaves room_slack beside it."""
+    return max(0.0, (budget_bytes - room_slack(budget_bytes)) / total_bytes)

@@ -393,7 +393,7 @@ class Cluster:
             n.load(Assignment(epoch=self.epoch, model=self.model, windows=windows, successor=self._successor(i),
                               n_ctx=s.n_ctx * s.n_parallel, n_batch=s.n_batch, n_ubatch=s.n_ubatch,
                               n_threads=s.n_threads, n_seq_max=s.n_parallel,
-                              stream_room=self.node_room[i] if i < len(self.node_room) else 0), self.source(n))
+                              stream_room=self.node_room[i]), self.source(n))
         t0 = time.perf_counter()
         self._wait_loaded(self.epoch, report=True)
         nodes = tuple((n.name, tuple(r)) for n, r in zip(self.nodes, self.node_ranges, strict=True))

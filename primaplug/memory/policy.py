@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from primaplug.core.budget import MAX_KEEP, room_slack
+from primaplug.core.budget import kept_fraction, slack_fraction
 
 PAGE = mmap.PAGESIZE
 Ranges = tuple[tuple[int, int], ...]  # (offset, length) in the file
@@ -123,10 +123,8 @@ def plan_prefetch(windows: Sequence[Sequence[tuple[int, int]]], budget_bytes: in
     early = budget_bytes >= 2 * largest
     fraction = 0.0
     if keep:
-        slots = slots or (2 if early else 1)  # f * total + slots * (1 - f) * largest <= budget
-        room, need = budget_bytes - slots * largest, total - slots * largest
-        fraction = max(0.0, min(MAX_KEEP, room / need)) if need > 0 and room > 0 else 0.0
-        fraction = min(fraction, max(0.0, (budget_bytes - room_slack(budget_bytes)) / total))
+        slots = slots or (2 if early else 1)
+        fraction = min(kept_fraction(budget_bytes, total, largest, slots), slack_fraction(budget_bytes, total))
     kept: list[tuple[int, int]] = []
     streamed: list[Ranges] = []
     for w in windows:

@@ -16,7 +16,6 @@ from primaplug.memory.system import major_faults, thread_major_faults
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class Switches:
     """Each part can be turned off, for ablations."""

@@ -130,28 +130,33 @@ class Plan:
         return sum(d.compute_s + d.memory_s + d.network_s + d.fault_s for d in self.devices)
 
     @property
+    def rooms_sent(self) -> Rooms | None:
+        """The rooms the plan sends, if any node gets one (else every node keeps its own rule)."""
+        return self.rooms if self.rooms is not None and any(self.rooms.rooms) else None
+
+    @property
     def total_s(self) -> float:
         """Predicted time per token: the sum over devices (paper), or the longer of the chain and the busiest
         device's own time (ring); with rooms chosen from the ring's timing, the per-round model that chose them."""
-        if self.rooms is not None and any(self.rooms.rooms):
-            return self.rooms.tpot_s
+        if self.rooms_sent is not None:
+            return self.rooms_sent.tpot_s
         if self.latency_model == "ring":
             return max(self.chain_s, max(d.compute_s + d.memory_s + d.disk_s for d in self.devices))
         return sum(d.total_s for d in self.devices)
 
     def describe_rooms(self) -> str:
         """The rooms the plan sends ("" for none: every node keeps its own rule)."""
-        if self.rooms is None or not any(self.rooms.rooms):
+        if self.rooms_sent is None:
             return ""
         chosen = ", ".join(f"{d.name} {d.room}" for d in self.ring if d.room)
         return (f"rooms chosen from the ring's timing (layers read ahead beside the kept part of every layer, "
-                f"streaming layer by layer): {chosen}; with each node's own rule {_ms(self.rooms.own_rule_s)} "
+                f"streaming layer by layer): {chosen}; with each node's own rule {_ms(self.rooms_sent.own_rule_s)} "
                 "ms/token")
 
     def describe(self) -> str:
         """A readable table of the plan (what `primaplug plan` prints)."""
         ring = " -> ".join(d.name for d in self.ring)
-        rooms = self.rooms if self.rooms is not None and any(self.rooms.rooms) else None
+        rooms = self.rooms_sent
         lines = [
             f"plan by {self.scheduler}: {self.n_layer} layers, {self.k} round(s), {len(self.devices)} device(s); "
             f"ring: {ring} (head: {self.head.name})",

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from primaplug.core.budget import MARGIN, MAX_KEEP, READ_AHEAD_SLACK, room_slack
+from primaplug.core.budget import MARGIN, READ_AHEAD_SLACK, kept_fraction, slack_fraction
 from primaplug.scheduler.latency import MACOS_METAL, Platform
 from primaplug.scheduler.ring import predict_ring, stream_bytes
 
@@ -72,11 +72,9 @@ def layer_turn(base: Turn, budget: float, layers: int, per_window: int, layer_by
     `room` layers beside the kept part (memory/policy.py: plan_prefetch with slots=room, and at least room_slack
     beside it; then Schedule's lookahead, which reads ahead as many whole layers as fit); and whether room_slack
     bound it (the device keeps nearly all its budget, in parts too small for its room)."""
-    f, slack_bound = 0.0, False
-    if layers > room and budget > room * layer_bytes:
-        f = min(MAX_KEEP, (budget - room * layer_bytes) / ((layers - room) * layer_bytes))
-        slack_keep = max(0.0, (budget - room_slack(budget)) / (layers * layer_bytes))  # the most that leaves it
-        f, slack_bound = min(f, slack_keep), slack_keep < f
+    f = kept_fraction(budget, layers * layer_bytes, layer_bytes, room)
+    slack_keep = slack_fraction(budget, layers * layer_bytes)
+    f, slack_bound = min(f, slack_keep), slack_keep < f
     part = (1 - f) * layer_bytes
     # (the node sizes its plan in whole pages, so its room holds them all; 1e-9: a quotient of exactly r)
     ahead = min(layers, math.floor((budget - f * layers * layer_bytes) / part + 1e-9)) if part > 0 else room
