@@ -169,3 +169,26 @@ def test_a_kv_cache_takes_memory_as_tokens_fill_it(model_dir) -> None:
     assert created < kv / 4, (created, kv)
     assert prompted < created + kv * 3 / 4, (prompted, kv)  # the values, and 64 of the 4096 keys
     assert prompted - cleared > kv / 4, (prompted, cleared, kv)  # a clear gives the cache back
+
+
+def test_a_node_gives_a_batchs_freed_memory_back_once_its_output_is_sent(monkeypatch) -> None:
+    # glibc keeps what a prompt's batch freed in its arenas; the node hands it back after the batch, not per token
+    import types
+
+    from primaplug.node import deployment
+    from primaplug.wire import PROTOCOL_VERSION, Activation, Part
+
+    trims: list[int] = []
+    released: list[int] = []
+    monkeypatch.setattr(deployment, "_return_freed_memory", lambda: trims.append(1))
+    node = deployment.Deployment(assignment=None, device=types.SimpleNamespace(done=released.append),  # type: ignore[arg-type]
+                                 out=None, n_layer=18)  # type: ignore[arg-type]
+
+    def sent(n_rows: int, round_: int) -> None:
+        node.sent(Activation(proto=PROTOCOL_VERSION, epoch=1, step=1, round=round_, parts=(Part(0, 0, n_rows),),
+                             width=8, dtype="float32"))
+
+    sent(1, 0)
+    assert released == [0] and trims == []
+    sent(16, 1)
+    assert released == [0, 1] and trims == [1]
