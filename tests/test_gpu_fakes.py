@@ -475,7 +475,8 @@ def test_a_re_formed_ring_keeps_each_node_s_gpu_layers_within_its_windows_and_vr
     cluster = SimpleNamespace(model=SimpleNamespace(n_layer=12, identity="x"), rounds=1, head_size=2)
     node = {d.name: SimpleNamespace(name=d.name, address=d.name) for d in devices[1:]}
     for left in (["gpu", "cpu", "big"], ["gpu", "cpu"], ["cpu", "big"], ["gpu"]):
-        kept, sizes, gpu_, how = r.split(cluster, [node[n] for n in left])
+        split = r.split(cluster, [node[n] for n in left])
+        kept, sizes, gpu_, how = split.nodes, split.sizes, split.gpu, split.how
         assert sum(sizes) == 12 - 2, how  # the head keeps its 2 layers
         p = platform([devices[0], *(d for d in devices if d.name in [k.name for k in kept])], model)
         cap = gpu_layer_cap(p, 1)[1:]
@@ -489,11 +490,11 @@ def test_a_re_formed_ring_keeps_each_node_s_gpu_layers_within_its_windows_and_vr
     # given (none where they differ: tests/test_recovery_logic.py)
     by_hand = Replanner(by_hand={"a": 4, "b": 4, "c": 4}, gpu={"a": 3, "b": 4, "c": 2})
     cluster = SimpleNamespace(model=SimpleNamespace(n_layer=12), rounds=1, head_size=0)
-    _, sizes, gpu_, _ = by_hand.split(cluster, [SimpleNamespace(address=x, name=x) for x in ("b", "new")])
-    assert sizes == [6, 6] and gpu_ == [4, 0]
+    split = by_hand.split(cluster, [SimpleNamespace(address=x, name=x) for x in ("b", "new")])
+    assert split.sizes == [6, 6] and split.gpu == [4, 0]
     by_hand = Replanner(by_hand={"a": 4, "b": 4, "c": 4}, gpu={"a": 8, "b": 8, "c": 8})
-    _, sizes, gpu_, _ = by_hand.split(cluster, [SimpleNamespace(address=x, name=x) for x in ("b", "new")])
-    assert sizes == [6, 6] and gpu_ == [6, 6]
+    split = by_hand.split(cluster, [SimpleNamespace(address=x, name=x) for x in ("b", "new")])
+    assert split.sizes == [6, 6] and split.gpu == [6, 6]
 
 
 # --- the engine: the placement map and what llama.cpp does with it ----------------------------------------------------

@@ -145,3 +145,23 @@ def test_a_node_refuses_a_room_no_window_could_use(streaming_model) -> None:  # 
         assert _check_assignment(msgspec.structs.replace(a, stream_room=room), layout) == ""
     for room in (-1, 5, 2**40):
         assert "a room of" in _check_assignment(msgspec.structs.replace(a, stream_room=room), layout)
+
+
+def test_a_re_planned_ring_sends_the_rooms_of_its_new_plan() -> None:
+    from types import SimpleNamespace
+
+    from primaplug.head.planning import Measured, PlanSettings
+    from primaplug.head.recovery import Replanner
+
+    devices, m = two_disks()
+    settings = PlanSettings(latency_model="ring", slow_disk_bps=1e7)
+    plan = solve(devices, m, latency_model="ring", slow_disk_bps=1e7)
+    assert any(d.room for d in plan.devices)
+    cluster = SimpleNamespace(model=SimpleNamespace(n_layer=32, identity="x"), rounds=plan.k, head_size=plan.head.w)
+    nodes = [SimpleNamespace(name=d.name, address=d.name) for d in devices[1:]]
+    split = Replanner(Measured(m, tuple(devices), 4e-3, 5e7), settings).split(cluster, nodes)  # type: ignore[arg-type]
+    assert split.sizes == [plan.device(n.name).w for n in split.nodes]
+    assert split.rooms == [plan.device(n.name).room for n in split.nodes] and any(split.rooms)
+    assert "rooms chosen from the ring's timing" in split.how
+    # a split by hand sends none: each node keeps its own rule
+    assert Replanner(by_hand={"a": 8, "b": 8}).split(cluster, nodes).rooms == [0, 0]  # type: ignore[arg-type]

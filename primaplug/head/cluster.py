@@ -475,11 +475,12 @@ class Cluster:
         return found
 
     def reform(self, nodes: list[NodeClient], sizes: Sequence[int], gpu: Sequence[int],
-               lost: Sequence[NodeClient] = ()) -> None:
+               lost: Sequence[NodeClient] = (), *, rooms: Sequence[int] = ()) -> None:
         """Deploy the ring again under a new assignment over `nodes` (in ring order) with `sizes` layers per round
-        each; the head keeps its windows (so it keeps its model, which every request's context reads), and nodes
-        that leave are let go (they free their windows), but for the `lost` ones (asking them would only wait out the
-        timeout, and they free their windows themselves) and those another head took."""
+        each (and `rooms`, Assignment.stream_room, chosen for these windows; none: each node's own rule); the head
+        keeps its windows (so it keeps its model, which every request's context reads), and nodes that leave are let
+        go (they free their windows), but for the `lost` ones (asking them would only wait out the timeout, and they
+        free their windows themselves) and those another head took."""
         ranges = ring_windows([*sizes, self.head_size], self.rounds, self.model.n_layer)
         if [r for r in ranges[-1] if r.n_layers] != [r for r in self.head_ranges if r.n_layers]:
             raise ConfigError(f"a re-formed ring must leave the head its windows {self.head_ranges}, got {ranges[-1]}")
@@ -487,8 +488,10 @@ class Cluster:
             if all(n is not m for m in nodes) and all(n is not m for m in lost):
                 with contextlib.suppress(NodeError, NodeUnavailableError, ProtocolError):
                     n.release()
+        if rooms and len(rooms) != len(nodes):
+            raise ConfigError(f"a re-formed ring needs a room for each of its {len(nodes)} node(s), got {list(rooms)}")
         self.nodes, self.node_ranges, self.node_gpu = list(nodes), ranges[:-1], list(gpu)
-        self.node_room = [0] * len(self.nodes)  # rooms were chosen for the ring before: each node's own rule now
+        self.node_room = list(rooms) or [0] * len(self.nodes)
         self.epoch = max(int(time.time() * 1000), self.epoch + 1)
         self.deploy()
 

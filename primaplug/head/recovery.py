@@ -54,6 +54,18 @@ RETRY_S = 5.0  # after a re-forming failed, the heartbeat waits this long before
 BOUNDARY_WAIT_S = 5.0
 
 
+@dataclass(frozen=True)
+class Split:
+    """A re-formed ring's nodes (in ring order) and, for each, its layers per round, its GPU layers and its room
+    (Assignment.stream_room; 0: its own rule); `how` says how they were chosen."""
+
+    nodes: list[NodeClient]
+    sizes: list[int]
+    gpu: list[int]
+    rooms: list[int]
+    how: str
+
+
 @dataclass
 class Replanner:
     """How a re-formed ring's windows are chosen: the scheduler again over the devices' profiles when the first ring
@@ -71,9 +83,8 @@ class Replanner:
         return cls(measured, settings, dict(zip([n.address for n in cluster.nodes], cluster.node_sizes(), strict=True)),
                    dict(zip([n.address for n in cluster.nodes], cluster.node_gpu, strict=True)))
 
-    def split(self, cluster: Cluster, nodes: Sequence[NodeClient]
-              ) -> tuple[list[NodeClient], list[int], list[int], str]:
-        """(the nodes that get windows, their layers per round, their GPU layers, how it was chosen)."""
+    def split(self, cluster: Cluster, nodes: Sequence[NodeClient]) -> Split:
+        """The nodes that get windows, and what each gets; rooms only where the scheduler chose the windows."""
         total = cluster.model.n_layer // cluster.rounds - cluster.head_size
         if not nodes or total < 1:
             raise PrimaplugError(
@@ -96,7 +107,8 @@ class Replanner:
                 gpu.append(0 if n.address in self.no_gpu else min(joiner, s))
                 if gpu[-1]:
                     self._given[str(n)] = n.address
-        return nodes, sizes, gpu, f"the split by hand rescaled to {len(nodes)} node(s): {sizes} layers per round"
+        return Split(nodes, sizes, gpu, [0] * len(nodes),
+                     f"the split by hand rescaled to {len(nodes)} node(s): {sizes} layers per round")
 
     def refused(self, error: PrimaplugError) -> bool:
         """Whether `error` is a node that joined refusing, or failing to load, the GPU layers split() gave it (an
@@ -109,8 +121,7 @@ class Replanner:
         self.no_gpu.add(address)
         return True
 
-    def _scheduled(self, cluster: Cluster, nodes: list[NodeClient], total: int) -> tuple[
-            list[NodeClient], list[int], list[int], str]:
+    def _scheduled(self, cluster: Cluster, nodes: list[NodeClient], total: int) -> Split:
         m, s = self.measured, self.settings
         assert m is not None and s is not None
         known = {p.name: p for p in m.devices[1:]}
@@ -131,10 +142,14 @@ class Replanner:
         sizes = [int(x) for x in apportion(w, total)] if sum(w) != total else w
         gpu = [min(plan.device(n.name).n, x) for n, x in zip(kept, sizes, strict=True)]
         how = f"{s.scheduler} over the {len(kept)} node(s) there are"
-        if sizes != w:
+        rooms = [0] * len(kept)
+        if sizes != w:  # rooms were chosen for the plan's windows, not these: each node's own rule
             how += (f" (it gives the head {plan.head.w} layers a round, which keeps its {cluster.head_size}: the "
                     f"nodes' {w} rescaled to {sizes})")
-        return kept, sizes, gpu, how
+        elif plan.rooms_sent is not None:
+            rooms = [plan.device(n.name).room for n in kept]
+            how += f"; {plan.describe_rooms()}"
+        return Split(kept, sizes, gpu, rooms, how)
 
 
 class Driver(Protocol):
@@ -304,11 +319,11 @@ class Recovery:
         self.events.publish(Notice(f"re-forming the ring: {what} ({why})"))
         survey_s = time.perf_counter() - t0
         try:
-            nodes, sizes, gpu, how = self.replanner.split(c, nodes)
+            split = self.replanner.split(c, nodes)
             plan_s = time.perf_counter() - t0 - survey_s
             old, self.ring = self.ring, _Broken(c.epoch, f"the ring is being re-formed ({what})")
             old.close()  # its steps fail; their sessions find it replaced and wait here for the new ring
-            c.reform(nodes, sizes, gpu, [*lost, *taken])
+            c.reform(split.nodes, split.sizes, split.gpu, [*lost, *taken], rooms=split.rooms)
             self.ring = self.open_ring(c)
         except PrimaplugError as e:
             self.failure = f"the ring could not be re-formed after it {what}: {e}"
@@ -326,9 +341,9 @@ class Recovery:
             self._taken.pop(n.name, None)
         self.pending = self.failure = None
         self._pending_since = 0.0
-        plan = ", ".join(f"{n.name} {s}" for n, s in zip(nodes, sizes, strict=True))
+        plan = ", ".join(f"{n.name} {s}" for n, s in zip(split.nodes, split.sizes, strict=True))
         report = Reformed(f"{what} ({why})", tuple(names), tuple(n.name for n in joined),
-                          f"{plan} layers per round, head {c.head_size}, assignment {c.epoch}: {how}", c.epoch,
+                          f"{plan} layers per round, head {c.head_size}, assignment {c.epoch}: {split.how}", c.epoch,
                           survey_s, plan_s, load_s)
         self.reports.append(report)
         self.events.publish(report)
