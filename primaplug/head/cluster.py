@@ -484,12 +484,12 @@ class Cluster:
         ranges = ring_windows([*sizes, self.head_size], self.rounds, self.model.n_layer)
         if [r for r in ranges[-1] if r.n_layers] != [r for r in self.head_ranges if r.n_layers]:
             raise ConfigError(f"a re-formed ring must leave the head its windows {self.head_ranges}, got {ranges[-1]}")
+        if rooms and len(rooms) != len(nodes):
+            raise ConfigError(f"a re-formed ring needs a room for each of its {len(nodes)} node(s), got {list(rooms)}")
         for n in self.nodes:
             if all(n is not m for m in nodes) and all(n is not m for m in lost):
                 with contextlib.suppress(NodeError, NodeUnavailableError, ProtocolError):
                     n.release()
-        if rooms and len(rooms) != len(nodes):
-            raise ConfigError(f"a re-formed ring needs a room for each of its {len(nodes)} node(s), got {list(rooms)}")
         self.nodes, self.node_ranges, self.node_gpu = list(nodes), ranges[:-1], list(gpu)
         self.node_room = list(rooms) or [0] * len(self.nodes)
         self.epoch = max(int(time.time() * 1000), self.epoch + 1)

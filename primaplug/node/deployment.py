@@ -115,9 +115,9 @@ class Deployment:
 
     def sent(self, msg: Activation) -> None:
         """The round's output has gone to the successor: its streamed weights can go, and after a batch of several
-        rows (a prompt's) what its computation freed goes back to the OS. Measured on the memory testbed, that took
-        0.6-1.1 points off every node's memory pressure (d4 6.2-6.5% to 5.3-5.9% of its cap), at no cost in TPOT; a
-        trim after a prompt's batch takes about 0.1 ms, off the ring's path."""
+        rows (a prompt's, or the steps of several requests) what its computation freed goes back to the OS. Measured
+        on the memory testbed, that took 0.6-1.1 points off every node's memory pressure (d4 6.2-6.5% to 5.3-5.9% of
+        its cap), at no cost in TPOT; a trim takes about 0.1 ms once little is free, off the ring's path."""
         self.device.done(msg.round)
         if msg.n_rows > 1:
             _return_freed_memory()
