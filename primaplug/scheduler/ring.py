@@ -97,6 +97,12 @@ class RingPrediction:
         return np.maximum(self.chain_s, self.own_s.max(axis=-1))
 
 
+def weights_budget(p: Platform, k: int, lc: np.ndarray) -> np.ndarray:
+    """What each device's memory leaves for the weights of its `lc` CPU layers a token, as a node's budget counts it
+    (device/memory.py): its cap, less its fixed part, those layers' KV cache and the margin."""
+    return p.ram_cap - p.ram_fixed(k) - lc * (p.layer_kv_bytes - p.layer_bytes) - MARGIN * p.ram_total
+
+
 def predict_ring(p: Platform, k: int, w: np.ndarray | Sequence[int], n: np.ndarray | Sequence[int]) -> RingPrediction:
     """The ring model for placements (k, w, n); the head is always in the ring (it embeds, runs the output layer
     and samples), other devices with w = 0 are not. Every device in a ring of two or more sends each round's
@@ -109,9 +115,8 @@ def predict_ring(p: Platform, k: int, w: np.ndarray | Sequence[int], n: np.ndarr
     compute = lc * p.t_cpu + lg * p.t_gpu + p.head * p.t_out
     memory = lc * p.m_cpu + lg * p.m_gpu + k * (w > 0) * p.copy + p.head * p.m_head
     network = k * in_ring * p.comm * (p.n_devices > 1)  # a head alone passes nothing on
-    kv = p.layer_kv_bytes - p.layer_bytes
     metal = p.kind == MACOS_METAL
-    budget = p.ram_cap - p.ram_fixed(k) - lc * kv - MARGIN * p.ram_total
+    budget = weights_budget(p, k, lc)
     read, faulted = stream_bytes(np.where(in_ring, budget, np.inf), lc / k * p.layer_bytes, k)
     if p.expert_bytes and p.expert_share:
         read, faulted = _routed_experts(p, k, lc, np.where(in_ring, budget, np.inf), read, faulted)

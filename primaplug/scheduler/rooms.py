@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from primaplug.core.budget import MARGIN, READ_AHEAD_SLACK, kept_fraction, slack_fraction
+from primaplug.core.budget import READ_AHEAD_SLACK, kept_fraction, slack_fraction
 from primaplug.scheduler.latency import MACOS_METAL, Platform
-from primaplug.scheduler.ring import predict_ring, stream_bytes
+from primaplug.scheduler.ring import predict_ring, stream_bytes, weights_budget
 
 PAGE_BY_PAGE = 0.25  # the share of a disk's rate that pages faulting in one by one reach
 GAIN = 0.03  # rooms the nodes' own rule does not choose are sent only where the model expects this much less time
@@ -93,7 +93,7 @@ def choose_rooms(p: Platform, k: int, w: Sequence[int] | np.ndarray, n: Sequence
     pred = predict_ring(p, k, w, n)
     per_window = w - n  # CPU layers of each window: what takes RAM and may stream
     lc = k * per_window
-    budget = p.ram_cap - p.ram_fixed(k) - lc * (p.layer_kv_bytes - p.layer_bytes) - MARGIN * p.ram_total
+    budget = weights_budget(p, k, lc)
     read, faulted = stream_bytes(budget, per_window * p.layer_bytes, k)
     candidates: list[int] = []
     base: list[Turn] = []
