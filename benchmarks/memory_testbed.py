@@ -28,6 +28,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,16 @@ def predicted_tpot(p: Any, rounds: int, sizes: list[int]) -> float:
     return float(np.atleast_1d(predict_ring(p, rounds, w, gpu_layers(p, rounds, w)).total_s)[0])
 
 
+def mean_layer_bytes(layout: Any) -> float:
+    return sum(layout.layer_bytes(il) for il in range(layout.n_layer)) / layout.n_layer
+
+
+def device_bytes(layout: Any, rounds: int, sizes: Sequence[int]) -> list[int]:
+    """Each device's weights a token for `sizes` layers per round, every layer at the model's average (what the
+    bound is given: testbed/bound.py)."""
+    return [int(n * rounds * mean_layer_bytes(layout)) for n in sizes]
+
+
 def memory_then_disk(devices: list[Device], layer_bytes: float, per_round: int, rounds: int) -> list[int]:
     """Hand-made windows (--split hand): each device first gets the layers its memory holds, the rest go in
     proportion to disk speed, so that the devices' streaming takes about equally long."""
@@ -164,7 +175,7 @@ def ring_run(devices: list[Device], model: Path, work: Path, *, rounds: int, fla
     from primaplug.scheduler.rooms import choose_rooms
 
     layout = read_layout(model)
-    layer_bytes = sum(layout.layer_bytes(il) for il in range(layout.n_layer)) / layout.n_layer
+    layer_bytes = mean_layer_bytes(layout)
     with Testbed(devices, model, work, node_args=flags) as tb, MemoryWatch(tb.groups) as watch:
         p = ring_platform(devices, model, tb.available_bytes())
         sizes = (model_windows(p, rounds) if split == "model"
@@ -198,7 +209,7 @@ def ring_run(devices: list[Device], model: Path, work: Path, *, rounds: int, fla
         # with each node's own rule
         "stream_rooms": stream_rooms, "ring_model_tpot_s": round(ring_model, 3),
         "round_model_own_rule_tpot_s": round(chosen.own_rule_s, 3),
-        "device_bytes": [int(n * rounds * layer_bytes) for n in sizes],
+        "device_bytes": device_bytes(layout, rounds, sizes),
         "nodes": [{"name": d.name, "memory_mode": s.memory_mode,
                    "major_faults_per_token": round(s.major_faults_per_token, 1),
                    "memory_pressure": round(s.memory_pressure, 4), "bytes_prefetched": s.bytes_prefetched,
