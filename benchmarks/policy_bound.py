@@ -50,7 +50,11 @@ def one_set(factor: float) -> dict[str, Any]:
     from primaplug.engine import read_layout
     from primaplug.scheduler.rooms import choose_rooms
 
-    testbed = json.loads((RESULTS / SETS[factor]).read_text())
+    path = RESULTS / SETS[factor]
+    if not path.exists():
+        raise SystemExit(f"policy_bound: {path} is missing: run benchmarks/memory_testbed.py"
+                         f"{'' if factor == 1 else f' --memory-factor {factor:g}'} first (as root)")
+    testbed = json.loads(path.read_text())
     devices = [dataclasses.replace(d, memory_mib=d.memory_mib * factor) for d in load_devices("paper-d1-d4/24")]
     model = model_file("1800M", 32)
     layout = read_layout(model)

@@ -75,3 +75,17 @@ def test_a_node_that_joins_gets_the_gpu_layers_every_node_was_given() -> None:
     assert r.split(_cluster(n_layer=18), [_node("a"), _node("new")]).gpu == [4, 0]
     r = Replanner(by_hand={"a": 6, "b": 6}, gpu={"a": 0, "b": 0})
     assert r.split(_cluster(n_layer=18), [_node("a"), _node("new")]).gpu == [0, 0]
+
+
+def test_a_re_formed_ring_refuses_rooms_that_are_not_one_per_node_before_it_lets_any_node_go() -> None:
+    from types import SimpleNamespace
+
+    from primaplug.core import LayerRange
+    from primaplug.core.errors import ConfigError
+    from primaplug.head.cluster import Cluster
+
+    cluster = SimpleNamespace(rounds=1, head_size=2, model=SimpleNamespace(n_layer=8), head_ranges=[LayerRange(6, 8)],
+                              nodes=[])
+    with pytest.raises(ConfigError, match="a room for each of its 2 node"):
+        Cluster.reform(cluster, [_node("a"), _node("b")], [3, 3], [0, 0], rooms=[1])  # type: ignore[arg-type]
+    assert cluster.nodes == []  # nothing was let go or replaced
