@@ -47,7 +47,11 @@ run() {
     step "the engine ($gpu) from the trimmed source, the system compiler, no download"
     # the system compiler: an image's CC/CXX wrapper built engines that segfaulted at their first load (docs/install.md)
     local flags="-DCMAKE_C_COMPILER=$(command -v gcc) -DCMAKE_CXX_COMPILER=$(command -v g++)"
-    [ "$gpu" = cuda ] && flags="$flags -DCMAKE_CUDA_ARCHITECTURES=${GPU_ARCH:-native}"
+    # nvcc's host compiler too: CMake takes it from CUDAHOSTCXX, not from CMAKE_CXX_COMPILER, and an image that
+    # sets it to its wrapper gets CUDA objects that segfault at the first load (seen on the H100, 2026-11-28)
+    echo "gpu_check: CC=${CC:-} CXX=${CXX:-} CUDAHOSTCXX=${CUDAHOSTCXX:-} (the build uses $(command -v g++))"
+    unset CUDAHOSTCXX
+    [ "$gpu" = cuda ] && flags="$flags -DCMAKE_CUDA_HOST_COMPILER=$(command -v g++) -DCMAKE_CUDA_ARCHITECTURES=${GPU_ARCH:-native}"
     PRIMAPLUG_ENGINE_SOURCE=gpu-bundle/llama-cpp-python-src.tar.gz PRIMAPLUG_CMAKE_ARGS="$flags" \
         "$py" -m primaplug engine build --gpu "$gpu"
     step "an 18-layer synthetic model (the bundled Gemma is too large to send)"
