@@ -8,6 +8,7 @@ behind. Needs root (or a delegated cgroup); `CgroupUnavailableError` says why wh
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -58,6 +59,15 @@ class Caps:
     memory_bytes: int | None = None
     read_bps: int | None = None  # disk reads, page faults of mmaps included
     cpus: float | None = None  # CPU time as a number of cores (0.5 = half a core)
+    # the CFS period the CPU share is enforced over. The kernel's 100 ms lets a device of a tenth of a core compute
+    # 10 ms at a whole core's speed, then stop for 90: bursts shorter than its quota run as fast as on any device.
+    # A short period makes a small share a slower CPU at the time scale of one token (at least 1 ms of quota).
+    cpu_period_us: int = 100_000
+
+    @property
+    def period_us(self) -> int:
+        """The period, lengthened where the share would leave a quota under the kernel's least (1 ms)."""
+        return max(self.cpu_period_us, math.ceil(1000 / self.cpus)) if self.cpus else self.cpu_period_us
 
 
 @dataclass
@@ -98,7 +108,7 @@ class Cgroup:
             elif controller == "blkio":
                 (d / "blkio.throttle.read_bps_device").write_text(f"{self.disk} {c.read_bps}")
             else:
-                period = 100_000
+                period = c.period_us
                 (d / "cpu.cfs_period_us").write_text(str(period))
                 (d / "cpu.cfs_quota_us").write_text(str(int(period * c.cpus)))  # type: ignore[operator]
 
@@ -121,7 +131,7 @@ class Cgroup:
         if c.read_bps is not None:
             (d / "io.max").write_text(f"{self.disk} rbps={c.read_bps}")
         if c.cpus is not None:
-            (d / "cpu.max").write_text(f"{int(100_000 * c.cpus)} 100000")
+            (d / "cpu.max").write_text(f"{int(c.period_us * c.cpus)} {c.period_us}")
 
     def add(self, pid: int) -> None:
         for d in self.dirs:
@@ -162,11 +172,42 @@ class Cgroup:
                     return int((d / f).read_text())
         return None
 
+    def oom_kills(self) -> int:
+        """How many processes the kernel's OOM killer has killed in this group (its own count, not a guess)."""
+        d = self.memory_dir()
+        for f in ("memory.oom_control", "memory.events"):  # v1, v2
+            if (d / f).exists():
+                return _stat_value((d / f).read_text(), "oom_kill")
+        return 0
+
+    def read_bytes(self) -> int:
+        """Bytes this group has read from its disk so far (page faults of mmaps included)."""
+        for d in self.dirs:
+            if (d / "blkio.throttle.io_service_bytes").exists():  # v1: "MAJ:MIN Read N" lines
+                return sum(int(n) for dev, op, n in (line.split() for line in
+                                                     (d / "blkio.throttle.io_service_bytes").read_text().splitlines()
+                                                     if line.count(" ") == 2) if dev == self.disk and op == "Read")
+            if (d / "io.stat").exists():  # v2: "MAJ:MIN rbytes=N wbytes=N ..."
+                for line in (d / "io.stat").read_text().splitlines():
+                    dev, *fields = line.split()
+                    if dev == self.disk:
+                        return _stat_value("\n".join(f.replace("=", " ") for f in fields), "rbytes")
+                return 0
+        raise CgroupUnavailableError(f"cgroup {self.name} has no disk cap, so no count of its reads")
+
     def remove(self) -> None:
         """Move any process left inside back to the parent, then delete the groups."""
         for d in self.dirs:
             _remove_dir(d)
         self.dirs.clear()
+
+
+def _stat_value(text: str, key: str) -> int:
+    for line in text.splitlines():
+        k, _, v = line.partition(" ")
+        if k == key:
+            return int(v)
+    return 0
 
 
 def _remove_dir(d: Path) -> None:

@@ -2,10 +2,13 @@
 netem). Each link listens on a loopback port and forwards to one target; bytes are delivered after they have
 been "transmitted" at the link's rate and then travelled for its latency, in both directions.
 
-Run as a process controlled through stdin, one command a line:
-    add HOST PORT LATENCY_MS MBIT   ->  prints "tcp://127.0.0.1:LISTEN_PORT" for the link to that target
+Run as a process controlled through stdin, one command a line (the first line it prints is the endpoint that takes
+the same commands from other processes):
+    add HOST PORT LATENCY_MS MBIT [LISTEN_PORT]   ->  prints "tcp://127.0.0.1:LISTEN_PORT" for the link to that
+                                                      target (any free port unless LISTEN_PORT is given), or
+                                                      "error: ..." when that port cannot be had
     quit
-`LinkProxy` in this module starts and drives such a process.
+`LinkProxy` in this module starts and drives such a process; `RemoteLinks` drives it from another process.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ class _Pipe:
             writer.close()
 
 
-async def _link(target: tuple[str, int], latency_s: float, bytes_per_s: float) -> int:
+async def _link(target: tuple[str, int], latency_s: float, bytes_per_s: float, listen_port: int = 0) -> int:
     async def handle(r_in: asyncio.StreamReader, w_in: asyncio.StreamWriter) -> None:
         try:
             r_out, w_out = await asyncio.open_connection(*target)
@@ -63,20 +66,37 @@ async def _link(target: tuple[str, int], latency_s: float, bytes_per_s: float) -
         await asyncio.gather(_Pipe(latency_s, bytes_per_s).run(r_in, w_out),
                              _Pipe(latency_s, bytes_per_s).run(r_out, w_in))
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    server = await asyncio.start_server(handle, "127.0.0.1", listen_port)
     return server.sockets[0].getsockname()[1]
+
+
+async def _command(line: list[str]) -> str:
+    host, port, latency_ms, mbit = line[1], int(line[2]), float(line[3]), float(line[4])
+    try:
+        listen = await _link((host, port), latency_ms / 1000, mbit * 1e6 / 8, int(line[5]) if len(line) > 5 else 0)
+    except OSError as e:  # the fixed port is taken
+        return f"error: {e}"
+    return f"tcp://127.0.0.1:{listen}"
+
+
+async def _control(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    """The same commands from another process (one that has no stdin of this one: a head started apart)."""
+    while line := (await r.readline()).decode().split():
+        w.write((await _command(line) + "\n").encode())
+        await w.drain()
+    w.close()
 
 
 async def _serve() -> None:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    control = await asyncio.start_server(_control, "127.0.0.1", 0)
+    print(f"control tcp://127.0.0.1:{control.sockets[0].getsockname()[1]}", flush=True)
     while line := (await reader.readline()).decode().split():
         if line[0] == "quit":
             return
-        host, port, latency_ms, mbit = line[1], int(line[2]), float(line[3]), float(line[4])
-        listen = await _link((host, port), latency_ms / 1000, mbit * 1e6 / 8)
-        print(f"tcp://127.0.0.1:{listen}", flush=True)
+        print(await _command(line), flush=True)
 
 
 class LinkProxy:
@@ -85,11 +105,16 @@ class LinkProxy:
     def __init__(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.testbed.linkproxy"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        # where another process asks for links (RemoteLinks)
+        self.control = self.proc.stdout.readline().strip().removeprefix("control ")
 
-    def route(self, endpoint: str, latency_ms: float, mbit: float) -> str:
+    def route(self, endpoint: str, latency_ms: float, mbit: float, listen_port: int = 0) -> str:
+        """The endpoint to connect to instead of `endpoint`: on `listen_port` of 127.0.0.1 if given (a peer that
+        derives its ports from its own, prima.cpp's ranks), else on any free one."""
         host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(f"add {host.strip('[]')} {port} {latency_ms} {mbit}\n")
+        self.proc.stdin.write(f"add {host.strip('[]')} {port} {latency_ms} {mbit} {listen_port}\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline().strip()
         if not line.startswith("tcp://"):
@@ -106,6 +131,30 @@ class LinkProxy:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+
+
+class RemoteLinks:
+    """Links from another process than the one that started the proxy: `route` as LinkProxy's, over its control
+    endpoint (LinkProxy.control)."""
+
+    def __init__(self, control: str) -> None:
+        import socket
+
+        host, port = control.removeprefix("tcp://").rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)))
+        self.file = self.sock.makefile("rw")
+
+    def route(self, endpoint: str, latency_ms: float, mbit: float) -> str:
+        host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+        self.file.write(f"add {host.strip('[]')} {port} {latency_ms} {mbit}\n")
+        self.file.flush()
+        line = self.file.readline().strip()
+        if not line.startswith("tcp://"):
+            raise RuntimeError(f"the link proxy did not start a link to {endpoint}: {line or 'it closed'}")
+        return line
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def _measure_rtt(endpoint: str, n: int = 20) -> float:

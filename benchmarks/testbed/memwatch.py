@@ -84,6 +84,7 @@ class MemoryWatch:
         self.interval_s = interval_s
         self.marks: list[tuple[str, float, list[dict[str, int]]]] = []
         self.peak_used = [0] * len(self.dirs)
+        self.series: list[tuple[float, list[int]]] = []  # (time.monotonic(), each device's usage less page cache)
         self._t0 = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="memwatch", daemon=True)
@@ -92,7 +93,13 @@ class MemoryWatch:
         now = [sample_group(d) for d in self.dirs]
         for i, s in enumerate(now):
             self.peak_used[i] = max(self.peak_used[i], s["usage"] - s["file"])
+        self.series.append((time.monotonic(), [s["usage"] - s["file"] for s in now]))
         return now
+
+    def peak_since(self, t: float) -> list[int]:
+        """Each device's largest usage less page cache sampled from time.monotonic() t on."""
+        rows = [used for when, used in self.series if when >= t] or [self.series[-1][1]]
+        return [max(col) for col in zip(*rows, strict=True)]
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):

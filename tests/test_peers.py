@@ -1,0 +1,195 @@
+"""benchmarks/peers.py's parts that need no root and no peer: what it reads of each system's output, the files it
+writes for distributed-llama, its counters of a device's cgroup, the link proxy's fixed ports, the search's
+candidates and the ratios it reports."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.peer_systems import dllama
+from benchmarks.peer_systems.base import Outcome, llama_perf, ratio_split, stdout_tpot
+from benchmarks.testbed import cgroups
+from benchmarks.testbed.linkproxy import LinkProxy, RemoteLinks
+
+PRIMA_2024 = """\
+llama_perf_sampler_print:    sampling time =       0.26 ms /    58 runs   (    0.00 ms per token, 227450.98 tokens per second)
+llama_perf_context_print:        load time =      35.77 ms
+llama_perf_context_print: prompt eval time =     271.71 ms /    26 tokens (   10.45 ms per token,    95.69 tokens per second)
+llama_perf_context_print:        eval time =     428.18 ms /    26 runs   (   16.47 ms per token,    60.72 tokens per second)
+llama_perf_context_print:       total time =     780.06 ms /    52 tokens
+"""
+LLAMA_2026 = """\
+common_perf_print:    sampling time =       1.03 ms
+common_perf_print: prompt eval time =     120.50 ms /    17 tokens (    7.09 ms per token,   141.08 tokens per second)
+common_perf_print:        eval time =     310.00 ms /    31 runs   (   10.00 ms per token,   100.00 tokens per second)
+"""
+
+
+def test_llama_cpp_s_exit_timings_are_read_in_both_wordings() -> None:
+    assert llama_perf(PRIMA_2024) == pytest.approx((0.27171, 0.42818 / 26, 26))
+    assert llama_perf(LLAMA_2026) == pytest.approx((0.1205, 0.01, 31))
+    assert llama_perf("main: error: unable to load model\n") is None
+
+
+class _Printed:
+    """What a system printed, as Proc keeps it: (time, bytes) pieces."""
+
+    def __init__(self, out: list[tuple[float, bytes]]) -> None:
+        self.out = out
+
+
+def test_tpot_is_first_to_last_printed_token_over_the_steps_between() -> None:
+    printed = _Printed([(10.0, b" ab"), (10.1, b" cd"), (10.2, b" ef ab"), (10.5, b" gh\n\n"), (11.0, b"\n")])
+    # 5 tokens printed between 10.0 and 10.5 (two arrived in one piece): 4 steps; the late newline is no token
+    assert stdout_tpot(printed, 5) == pytest.approx(0.5 / 4)  # type: ignore[arg-type]
+    dllama_out = _Printed([(1.0, b"Eval 30 ms Sync 0 ms\n"), (2.0, b"Pred 10 ms ..\n"), (2.3, b"Pred 9 ms ..\n")])
+    assert stdout_tpot(dllama_out, 2, lambda c: b"Pred" in c) == pytest.approx(0.3)  # type: ignore[arg-type]
+    assert stdout_tpot(_Printed([(1.0, b"x")]), 4) is None  # type: ignore[arg-type]
+
+
+def test_a_proportional_split_gives_every_layer_and_each_device_its_minimum() -> None:
+    assert ratio_split([2.4, 4.1, 9.7, 1.9], 32) == [5, 7, 16, 4]  # one each, the other 28 by weight
+    assert sum(ratio_split([1, 1, 1], 16, minimum=0)) == 16
+    assert ratio_split([0.0, 1.0], 8, minimum=1) == [1, 7]
+    with pytest.raises(ValueError):
+        ratio_split([1, 1, 1, 1], 3)
+    assert Outcome().status == "ok"
+
+
+SHAPES = dllama.Shapes(arch="qwen3moe", dim=64, hidden_dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300,
+                       head_dim=16, n_experts=4, n_active_experts=2, moe_hidden_dim=32)
+
+
+def _header(data: bytes) -> tuple[int, dict[int, int]]:
+    magic, size = struct.unpack_from("<ii", data)
+    pairs = struct.unpack_from(f"<{(size - 8) // 4}i", data, 8)
+    return magic, dict(zip(pairs[::2], pairs[1::2], strict=True))
+
+
+def test_a_distributed_llama_model_holds_every_tensor_its_loader_reads(tmp_path: Path) -> None:
+    s = SHAPES
+    path = dllama.write_model(s, tmp_path / "m.m")
+    data = path.read_bytes()
+    magic, header = _header(data)
+    assert magic == dllama.MAGIC
+    assert header[dllama.KEYS["arch_type"]] == dllama.ARCH["qwen3moe"] and header[dllama.KEYS["n_experts"]] == 4
+    assert header[dllama.KEYS["weights_float_type"]] == dllama.Q40 and header[dllama.KEYS["head_dim"]] == 16
+
+    def q40(rows: int, cols: int) -> int:
+        return rows * cols // 32 * 18
+
+    q, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+    layer = (q40(q, s.dim) + 2 * q40(kv, s.dim) + q40(s.dim, q) + 4 * s.n_experts * s.dim
+             + s.n_experts * (2 * q40(s.moe_hidden_dim, s.dim) + q40(s.dim, s.moe_hidden_dim))
+             + 4 * 2 * s.head_dim + 4 * 2 * s.dim)
+    tensors = 4 * s.vocab_size * s.dim + s.n_layers * layer + 4 * s.dim + q40(s.vocab_size, s.dim)
+    # the loader's own check: the bytes it reads end where the file ends ("Missing bytes in weight file")
+    assert len(data) == struct.unpack_from("<i", data, 4)[0] + tensors
+    scale = np.frombuffer(data[len(data) - q40(s.vocab_size, s.dim):][:2], dtype=np.float16)[0]
+    assert 0 < scale < 0.1
+
+
+def test_its_tokenizer_holds_the_gguf_s_pieces_with_bytes_as_bytes(tmp_path: Path) -> None:
+    from primaplug.engine.synthetic import SyntheticSpec, write_synthetic_gguf
+
+    gguf = write_synthetic_gguf(tmp_path / "m.gguf", SyntheticSpec(n_layer=1, n_vocab=300))
+    data = dllama.write_tokenizer(gguf, tmp_path / "m.t").read_bytes()
+    magic, header = _header(data)
+    assert magic == dllama.TOKENIZER_MAGIC and header[1] == 300 and header[3] == 1  # vocab size, BOS
+    at = struct.unpack_from("<i", data, 4)[0] + 4 * header[9]  # past the header and the EOS ids
+    pieces = []
+    for _ in range(300):
+        _score, n = struct.unpack_from("<fI", data, at)
+        pieces.append(data[at + 8:at + 8 + n])
+        at += 8 + n
+    assert at == len(data)
+    assert pieces[3 + 0x41] == b"A" and pieces[259] == b" aa"  # <0x41> is the byte A; '\u2581' a space
+
+
+def test_distributed_llama_s_own_limits_are_said_in_its_words() -> None:
+    assert dllama.unsupported(SHAPES, 2) is None
+    assert "power" not in (dllama.unsupported(SHAPES, 1) or "")
+    assert "1, 2, 4, 8" in (dllama.unsupported(SHAPES, 3) or "")
+    assert "number of KV heads in the model (2)" in (dllama.unsupported(SHAPES, 4) or "")
+
+
+@pytest.mark.parametrize("v1", [True, False])
+def test_a_device_s_disk_reads_and_oom_kills_are_read_off_its_cgroup(tmp_path: Path, v1: bool) -> None:
+    g = cgroups.Cgroup("d", cgroups.Caps(1 << 30, 10**8), "254:0", [tmp_path])
+    if v1:
+        (tmp_path / "memory.limit_in_bytes").write_text("1")
+        (tmp_path / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 2\n")
+        (tmp_path / "blkio.throttle.io_service_bytes").write_text(
+            "254:0 Read 4096\n254:0 Write 8192\n254:16 Read 77\nTotal 12365\n")
+    else:
+        (tmp_path / "memory.max").write_text("1")
+        (tmp_path / "memory.events").write_text("low 0\nhigh 0\nmax 5\noom 3\noom_kill 2\n")
+        (tmp_path / "io.stat").write_text("254:16 rbytes=77 wbytes=0\n254:0 rbytes=4096 wbytes=8192 rios=1\n")
+    assert g.read_bytes() == 4096 and g.oom_kills() == 2
+
+
+def test_a_cpu_share_is_enforced_over_a_short_period_with_at_least_a_millisecond_of_quota() -> None:
+    assert cgroups.Caps(cpus=0.5).period_us == 100_000  # the testbed's default, as before
+    assert cgroups.Caps(cpus=0.5, cpu_period_us=2000).period_us == 2000
+    assert cgroups.Caps(cpus=0.08, cpu_period_us=2000).period_us == 12_500  # 1 ms of quota
+    assert cgroups.Caps().period_us == 100_000
+
+
+def test_the_link_proxy_listens_on_a_port_given_and_takes_links_from_another_process() -> None:
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        fixed = s.getsockname()[1]
+    proxy = LinkProxy()
+    try:
+        assert proxy.route(f"tcp://127.0.0.1:{port}", 1, 100, listen_port=fixed) == f"tcp://127.0.0.1:{fixed}"
+        with pytest.raises(RuntimeError, match="did not start a link"):  # that port is the proxy's now
+            proxy.route(f"tcp://127.0.0.1:{port}", 1, 100, listen_port=fixed)
+        remote = RemoteLinks(proxy.control)
+        try:
+            ep = remote.route(f"tcp://127.0.0.1:{port}", 1, 100)
+            host, p = ep.removeprefix("tcp://").rsplit(":", 1)
+            with socket.create_connection((host, int(p))):
+                conn, _ = srv.accept()
+                conn.close()
+        finally:
+            remote.close()
+    finally:
+        proxy.close()
+        srv.close()
+
+
+def test_the_search_s_candidates_and_the_ratios_it_reports() -> None:
+    from benchmarks.peers import WORKLOADS, candidates, ratios, tokens_match
+
+    devices = WORKLOADS["W1"].devices
+    ring = candidates("prima.cpp", devices, 32, 55.0, {"primaplug": "2,20,8,2"})
+    assert all(sum(p.split or ()) in (32, 16, 8) for p in ring)
+    assert ring[-1].split == (2, 20, 8, 2) and "other ring" in ring[-1].name
+    rpc = candidates("llama.cpp-rpc", devices, 32, 55.0, {})
+    fit = next(p for p in rpc if p.extra)
+    assert sum(fit.split or ()) == 32 and dict(fit.extra)["no_repack"]
+    assert all(w * 55.0 <= 0.8 * d.memory_mib for w, d in zip(fit.split[1:], devices[1:], strict=True))  # type: ignore[index]
+    d = candidates("distributed-llama", devices, 32, 55.0, {})
+    assert [dict(p.extra)["devices"][0] for p in d] == [0, 0, 0]  # its root stays on the head's device
+
+    def row(system: str, tpot: float, ttft: float, pressure: float, status: str = "ok") -> dict:
+        return {"system": system, "placement": "own", "devices": 4, "status": status, "tpot_s": tpot,
+                "ttft_s": ttft, "max_pressure": pressure, "tokens_match_plain": True}
+
+    r = ratios([row("primaplug", 2.0, 10.0, 0.10), row("prima.cpp", 4.0, 8.0, 0.06),
+                row("llama.cpp-rpc", 1.0, 1.0, 0.9, "oom")])
+    assert r["tpot_vs_fastest_peer"] == 0.5 and r["ttft_vs_fastest_peer"] == 1.25
+    assert r["pressure_points_over_lowest_peer"] == 4.0 and r["fastest_peer"].startswith("prima.cpp")
+    assert "nothing to compare" in ratios([row("primaplug", 1, 1, 0)])["note"]
+    ref = {"tokens": [5, 6], "text": " ab cd"}
+    assert tokens_match({"status": "ok", "token_ids": [5, 6], "text": None}, ref)
+    assert tokens_match({"status": "ok", "token_ids": None, "text": " ab cd\n\n"}, ref)
+    assert tokens_match({"status": "ok", "token_ids": None, "text": " ab ce"}, ref) is False
+    assert tokens_match({"status": "oom", "token_ids": None, "text": None}, ref) is None
