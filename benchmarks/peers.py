@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import json
 import platform
+import re
 import shutil
 import statistics
 import sys
@@ -291,6 +292,13 @@ def candidates(system: str, devices: tuple[Device, ...], n_layer: int, layer_mib
             if n_layer % k == 0 and n_layer // k >= len(devices):
                 out.append(Placement(f"memory-proportional, k = {k}", tuple(ratio_split(mem, n_layer // k))))
         out.append(Placement("compute-proportional, k = 1", tuple(ratio_split(cpu, n_layer))))
+        mine = found.get(system)
+        if system == "primaplug" and mine and "0" in mine.split(",")[1:]:
+            # as a user would after reading the plan: Halda again with the dropped devices' nodes stopped (they
+            # would idle there, holding their runtime's memory; prima.cpp's dropped ranks exit)
+            kept = [0, *(i for i, w in enumerate(mine.split(",")) if i and w != "0")]
+            out.append(Placement("its own plan on the devices it keeps (the others' nodes stopped)", None,
+                                 (("devices", kept),)))
         other = found.get("prima.cpp" if system == "primaplug" else "primaplug")
         if other:
             out.append(on_devices(f"the other ring's own split ({other})", [int(x) for x in other.split(",")],
@@ -316,8 +324,8 @@ def candidates(system: str, devices: tuple[Device, ...], n_layer: int, layer_mib
                                  extra=(("devices", [0, *fastest[:k - 1]]),)))
     seen, unique = set(), []
     for p in out:
-        if p.split not in seen or p.split is None:
-            seen.add(p.split)
+        if (p.split, repr(p.extra)) not in seen:
+            seen.add((p.split, repr(p.extra)))
             unique.append(p)
     return unique
 
@@ -469,7 +477,7 @@ def rows_for(system: str, peers: Peers, w: Workload, devices: tuple[Device, ...]
     n_layer = layout.n_layer
 
     def job(p: Placement, i: int) -> Job:
-        tag = "own" if p.split is None and not p.extra else f"cand{abs(hash(p.name)) % 10**6}"
+        tag = "own" if p.split is None and not p.extra else re.sub(r"[^a-z0-9]+", "-", p.name.lower())[:48]
         return Job(w.name, model, "", n_layer, PROMPT, w.tokens, threads, split=p.split,
                    logs=logs / f"{tag}-{i}", extra=dict(p.extra))
 

@@ -234,6 +234,7 @@ class Llama(RingLlama):
                 memory=MemorySettings(budget_bytes=memory_budget, switches=memory_switches or Switches()),
                 output=True, extra_reserved=compute_buffer_output_bytes(layout, n_ctx, n_batch, n_ubatch) + reserved,
                 extra_weights=layout.output_bytes, gpu_layers=cluster.head_gpu_layers())
+            self._device.warm_up()
             if draft_model is not None:
                 self.speculation = open_speculation(draft_model, target=self._device.model, n_ctx=n_ctx,
                                                     n_batch=n_batch, n_threads=threads, n_min=draft_min,

@@ -52,6 +52,7 @@ class Deployment:
         device = DeviceWindows.load(path, layout, ranges, context=context, memory=planned_room(memory, a.stream_room),
                                     gpu_layers=gpu, progress=progress)
         try:
+            device.warm_up()
             out = transport.ring_out(a.successor)
         except BaseException:
             device.close()
