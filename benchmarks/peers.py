@@ -397,7 +397,12 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true",
                     help="W3 on 4 devices and W1, one run each, own placements only (about 15 minutes)")
     ap.add_argument("--workdir", type=Path, default=CACHE / "peers")
+    ap.add_argument("--table", action="store_true",
+                    help="print the results' table (markdown, as docs/peers.md and the README quote it) and exit")
     a = ap.parse_args()
+    if a.table:
+        print(table(json.loads((RESULTS / ("peers_quick.json" if a.quick else "peers.json")).read_text())))
+        return 0
     need_charts()
     unwind_on_sigterm()
     if a.quick:
@@ -411,16 +416,20 @@ def main() -> int:
             peers.rpc_error = f"failed: its build did not finish: {e}"
     out_name = "peers_quick" if a.quick else "peers"
     logs = RESULTS / out_name
-    shutil.rmtree(logs, ignore_errors=True)
-    results: dict[str, Any] = {"about": {
+    # a run of some workloads replaces those in the results and keeps the others (each says when it ran)
+    previous = RESULTS / f"{out_name}.json"
+    results: dict[str, Any] = json.loads(previous.read_text()) if previous.exists() else {}
+    results["about"] = {
         "command": "sudo .venv/bin/python benchmarks/peers.py " + " ".join(sys.argv[1:]),
         "machine": f"{platform.machine()}, {platform.system()} {platform.release()}, {shutil.os.cpu_count()} cores",
         "date": time.strftime("%Y-%m-%d %H:%M"), "runs": a.runs, "prompt": PROMPT,
-        "builds": {s: peers.build_info(s) for s in SYSTEMS}}}
+        "builds": {s: peers.build_info(s) for s in SYSTEMS}}
     try:
         with Lxcfs() as fs:
             for wname in a.workloads.split(","):
+                shutil.rmtree(logs / wname, ignore_errors=True)
                 results[wname] = workload(WORKLOADS[wname], systems, peers, a, fs.meminfo, logs / wname)
+                results[wname]["ran"] = f"{time.strftime('%Y-%m-%d %H:%M')}, {results['about']['command']}"
                 write(results, out_name)
     except CgroupUnavailableError as e:
         print(f"peers: {e}", file=sys.stderr)
@@ -537,9 +546,39 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "tokens_match_plain": best["tokens_match_plain"]}
 
 
+def table(results: dict[str, Any]) -> str:
+    """Each workload's best row of every system (by TPOT; its own placement's where it is also the best), and
+    primaplug's ratios: the table docs/peers.md and the README quote."""
+    lines = ["| workload | system | status | TPOT s | TTFT s | largest pressure | tokens = plain | split |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name in sorted(k for k in results if k.startswith("W")):
+        rows = results[name]["rows"]
+        first_set = min(r["devices"] for r in rows)
+        for system in SYSTEMS:
+            mine = [r for r in rows if r["system"] == system and r["devices"] == first_set]
+            ran = [r for r in mine if r["status"] == "ok" and r["tpot_s"] is not None]
+            r = min(ran, key=lambda r: r["tpot_s"]) if ran else (mine[0] if mine else None)
+            if r is None:
+                continue
+            why = r["error"].removeprefix(f"{r['status']}: ").split(" (")[0][:90] if r["status"] != "ok" else ""
+            match = {True: "yes", False: "no", None: "-"}[r.get("tokens_match_plain")]
+            pressure = f"{100 * r['max_pressure']:.1f}%" if r.get("max_pressure") is not None else "-"
+            lines.append(f"| {name} | {system} | {r['status']}{': ' + why if why else ''} | {_f(r['tpot_s'])} | "
+                         f"{_f(r['ttft_s'])} | {pressure} | {match} | {r['placement']}: {r.get('split') or '-'} |")
+    out = ["\n".join(lines), ""]
+    for name in sorted(k for k in results if k.startswith("W")):
+        out.append(f"- {name}: " + ", ".join(f"{k} {v}" for k, v in results[name]["ratios"].items()))
+    return "\n".join(out)
+
+
+def _f(x: float | None) -> str:
+    return f"{x:.3f}" if x is not None else "-"
+
+
 def write(results: dict[str, Any], name: str, chart: bool = False) -> None:
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
+    ordered = {"about": results["about"]} | {k: results[k] for k in sorted(results) if k != "about"}
+    (RESULTS / f"{name}.json").write_text(json.dumps(ordered, indent=1) + "\n")
     if chart:
         draw(results, RESULTS / f"{name}.png")
         print(f"wrote {RESULTS / name}.json and {name}.png", file=sys.stderr)
