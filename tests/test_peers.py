@@ -16,13 +16,16 @@ from benchmarks.peer_systems.base import Outcome, llama_perf, ratio_split, stdou
 from benchmarks.testbed import cgroups
 from benchmarks.testbed.linkproxy import LinkProxy, RemoteLinks
 
-PRIMA_2024 = """\
-llama_perf_sampler_print:    sampling time =       0.26 ms /    58 runs   (    0.00 ms per token, 227450.98 tokens per second)
-llama_perf_context_print:        load time =      35.77 ms
-llama_perf_context_print: prompt eval time =     271.71 ms /    26 tokens (   10.45 ms per token,    95.69 tokens per second)
-llama_perf_context_print:        eval time =     428.18 ms /    26 runs   (   16.47 ms per token,    60.72 tokens per second)
-llama_perf_context_print:       total time =     780.06 ms /    52 tokens
-"""
+PRIMA_2024 = (  # prima.cpp's rank 0 at exit, as printed (its lines are longer than ours)
+    "llama_perf_sampler_print:    sampling time =       0.26 ms /    58 runs   "
+    "(    0.00 ms per token, 227450.98 tokens per second)\n"
+    "llama_perf_context_print:        load time =      35.77 ms\n"
+    "llama_perf_context_print: prompt eval time =     271.71 ms /    26 tokens "
+    "(   10.45 ms per token,    95.69 tokens per second)\n"
+    "llama_perf_context_print:        eval time =     428.18 ms /    26 runs   "
+    "(   16.47 ms per token,    60.72 tokens per second)\n"
+    "llama_perf_context_print:       total time =     780.06 ms /    52 tokens\n"
+)
 LLAMA_2026 = """\
 common_perf_print:    sampling time =       1.03 ms
 common_perf_print: prompt eval time =     120.50 ms /    17 tokens (    7.09 ms per token,   141.08 tokens per second)

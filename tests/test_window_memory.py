@@ -192,3 +192,34 @@ def test_a_node_gives_a_batchs_freed_memory_back_once_its_output_is_sent(monkeyp
     assert released == [0] and trims == []
     sent(16, 1)
     assert released == [0, 1] and trims == [1]
+
+
+def test_windows_that_fit_are_read_in_and_warmed_up_before_the_load_returns(model_dir, tmp_path) -> None:
+    """As plain llama.cpp's tools do at load (MAP_POPULATE, then "warming up the model with an empty run"), so that
+    the first request pays for neither: the windows' weights are resident when the load returns, one row has gone
+    through each window, and the cache is empty again (the first request's tokens are those of a device loaded
+    without it: tests/test_ring.py)."""
+    from primaplug.device import DeviceWindows, MemorySettings
+
+    path = tmp_path / "model.gguf"  # a private copy: no other test's mapping keeps its pages cached
+    path.write_bytes(synthetic_path(model_dir, "llama", 9, "Q4_K_M").read_bytes())
+    os.sync()
+    layout = read_layout(path)
+    ranges = [LayerRange(0, 3), LayerRange(5, 9)]
+    DeviceWindows.load(path, layout, ranges, context=SETTINGS, memory=MemorySettings()).close()  # the copy, once
+    drop_file_cache(path)
+    device = DeviceWindows.load(path, layout, ranges, context=SETTINGS, memory=MemorySettings())
+    try:
+        plan = device.plan.prefetch
+        assert plan.mode == "resident" and device.prefetcher is not None
+        source = device.prefetcher.path
+        device.close()
+        drop_file_cache(source)  # what load read in, gone: a device that loads again reads it again
+        device = DeviceWindows.load(path, layout, ranges, context=SETTINGS, memory=MemorySettings())
+        assert device.prefetcher is not None
+        assert device.prefetcher.resident_bytes() >= 0.95 * sum(n for _, n in plan.keep) > 0
+        device.warm_up()  # as a node and the head do after loading: the cache is left empty
+        for w in device.windows:
+            assert w is not None and w.kv_pos_max(0) == -1
+    finally:
+        device.close()
