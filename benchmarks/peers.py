@@ -464,9 +464,11 @@ def workload(w: Workload, systems: list[str], peers: Peers, a: argparse.Namespac
             build = peers.build_info(system)
             if system == "exo" or system not in systems or (why := peers.missing(system)):
                 reason = exo_reason(peers.exo) if system == "exo" else (
-                    "not asked for (--systems)" if system not in systems else f"unsupported: {why}")
+                    "not asked for (--systems)" if system not in systems else
+                    why if why.startswith("failed: ") else f"unsupported: {why}")
                 entry["rows"].append({"system": system, "placement": "own", "devices": len(devices),
-                                      "status": "unsupported", "tpot_s": None, "ttft_s": None,
+                                      "status": "failed" if reason.startswith("failed: ") else "unsupported",
+                                      "tpot_s": None, "ttft_s": None,
                                       "commit": build.get("commit", ""), "split": "", "error": reason})
                 continue
             entry["rows"] += rows_for(system, peers, w, devices, layout, model, ref, build, a, meminfo,

@@ -53,6 +53,7 @@ def build(cache: Path, log: Path) -> Path:
         return out / "bin"
     print(f"peers: building llama.cpp's RPC server and client from {sdist.name} (once, several minutes; log "
           f"{log})", file=sys.stderr, flush=True)
+    log.parent.mkdir(parents=True, exist_ok=True)  # on a fresh machine, before the first run made it
     with tempfile.TemporaryDirectory() as tmp, open(log, "w") as lf:
         src = engine.unpack_source(sdist, Path(tmp)) / "vendor" / "llama.cpp"
         build_dir = Path(tmp) / "build"

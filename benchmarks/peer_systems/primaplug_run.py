@@ -62,8 +62,11 @@ def run(rig: Rig, job: Job, on_first_token: Any, *, scale: float = 1.0) -> Outco
                          name="primaplug head")
         stop = threading.Event()
         watch_first_output(head, lambda out: len(out) > 0, on_first_token, stop)
-        code = head.wait(job.timeout_s)
+        code, dead = _wait_head(head, nodes, job.timeout_s)
         stop.set()
+        if dead:
+            return Outcome("failed", error=f"{dead} while the head waited on it (stopped here: the head would wait "
+                                           f"its 300 s for the node's answer): {last_lines(head.text())}")
         lines = [ln for ln in bytes(head.err).decode(errors="replace").splitlines() if ln.startswith(RESULT)]
         if code is None:
             return Outcome("failed", error=f"the head did not finish within {job.timeout_s:.0f} s: "
@@ -78,6 +81,20 @@ def run(rig: Rig, job: Job, on_first_token: Any, *, scale: float = 1.0) -> Outco
                        split=r["split"], detail={"plan": r["plan"], "token_s": r["token_s"], "windows": windows})
     finally:
         nodes.stop()
+
+
+def _wait_head(head: Any, nodes: Any, timeout_s: float) -> tuple[int | None, str]:
+    """The head's exit status (None past timeout_s), or, where a node died first (an OOM kill, say), what ended it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        code = head.wait(1.0)
+        if code is not None:
+            return code, ""
+        for node in nodes.nodes:
+            if node.proc.poll() is not None:
+                head.stop()
+                return head.proc.returncode, f"node {node.name} exited with status {node.proc.returncode}"
+    return None, ""
 
 
 def _head(a: argparse.Namespace) -> None:
