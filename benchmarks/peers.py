@@ -176,6 +176,23 @@ class Peers:
             return self.rpc_error or None
         return None
 
+    def scrub(self, text: str) -> str:
+        """What is committed names no path of this machine: the checkouts, this repository and the home folder are
+        said as <prima.cpp>, <distributed-llama>, <exo>, <repo> and ~."""
+        places = [(self.prima, "<prima.cpp>"), (self.dllama, "<distributed-llama>"), (self.exo, "<exo>"),
+                  (ROOT, "<repo>"), (Path.home(), "~")]
+        for path, name in places:
+            if path is not None and str(path) not in ("", "/", "."):
+                text = text.replace(str(Path(path).resolve()), name).replace(str(path), name)
+        return text
+
+    def scrub_logs(self, folder: Path) -> None:
+        for f in folder.rglob("*"):
+            if f.is_file():
+                text = f.read_bytes().decode("utf-8", errors="surrogateescape")
+                if (clean := self.scrub(text)) != text:
+                    f.write_bytes(clean.encode("utf-8", errors="surrogateescape"))
+
     def build_info(self, system: str) -> dict[str, str]:
         from primaplug.engine import build as engine
 
@@ -362,7 +379,7 @@ def median_row(system: str, placement: Placement, runs: list[dict[str, Any]], re
            "split": chosen["split"], "error": chosen["error"], "runs": len(runs), "runs_ok": len(ok),
            "tpot_runs_s": [r["tpot_s"] for r in runs], "ttft_runs_s": [r["ttft_s"] for r in runs],
            "memory": {name: {k: s[k] for k in ("peak_used_mib", "cap_mib", "pressure", "peak_start_mib", "oom_kills",
-                                               "disk_read_mib_per_token", "used_mib_at_marks")}
+                                               "disk_read_mib_per_token", "cpu_ms_per_token", "used_mib_at_marks")}
                       for name, s in chosen["devices"].items()},
            "max_pressure": max(s["pressure"] for s in chosen["devices"].values()),
            "oom_killed": sorted({n for r in runs for n, s in r["devices"].items() if s["oom_kills"]}),
@@ -430,14 +447,15 @@ def main() -> int:
                 shutil.rmtree(logs / wname, ignore_errors=True)
                 results[wname] = workload(WORKLOADS[wname], systems, peers, a, fs.meminfo, logs / wname)
                 results[wname]["ran"] = f"{time.strftime('%Y-%m-%d %H:%M')}, {results['about']['command']}"
-                write(results, out_name)
+                peers.scrub_logs(logs / wname)
+                write(results, out_name, scrub=peers.scrub)
     except CgroupUnavailableError as e:
         print(f"peers: {e}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Terminated):
         print("peers: interrupted; processes stopped and cgroups removed", file=sys.stderr)
         return 130
-    write(results, out_name, chart=True)
+    write(results, out_name, chart=True, scrub=peers.scrub)
     return 0
 
 
@@ -577,10 +595,11 @@ def _f(x: float | None) -> str:
     return f"{x:.3f}" if x is not None else "-"
 
 
-def write(results: dict[str, Any], name: str, chart: bool = False) -> None:
+def write(results: dict[str, Any], name: str, chart: bool = False,
+          scrub: Callable[[str], str] = lambda text: text) -> None:
     RESULTS.mkdir(exist_ok=True)
     ordered = {"about": results["about"]} | {k: results[k] for k in sorted(results) if k != "about"}
-    (RESULTS / f"{name}.json").write_text(json.dumps(ordered, indent=1) + "\n")
+    (RESULTS / f"{name}.json").write_text(scrub(json.dumps(ordered, indent=1)) + "\n")
     if chart:
         draw(results, RESULTS / f"{name}.png")
         print(f"wrote {RESULTS / name}.json and {name}.png", file=sys.stderr)

@@ -122,9 +122,11 @@ def test_distributed_llama_s_own_limits_are_said_in_its_words() -> None:
 
 
 @pytest.mark.parametrize("v1", [True, False])
-def test_a_device_s_disk_reads_and_oom_kills_are_read_off_its_cgroup(tmp_path: Path, v1: bool) -> None:
+def test_a_device_s_disk_reads_cpu_time_and_oom_kills_are_read_off_its_cgroup(tmp_path: Path, v1: bool) -> None:
     g = cgroups.Cgroup("d", cgroups.Caps(1 << 30, 10**8), "254:0", [tmp_path])
+    assert g.cpu_seconds() is None  # no controller counts it
     if v1:
+        (tmp_path / "cpuacct.usage").write_text("2500000000\n")
         (tmp_path / "memory.limit_in_bytes").write_text("1")
         (tmp_path / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 2\n")
         (tmp_path / "blkio.throttle.io_service_bytes").write_text(
@@ -133,7 +135,8 @@ def test_a_device_s_disk_reads_and_oom_kills_are_read_off_its_cgroup(tmp_path: P
         (tmp_path / "memory.max").write_text("1")
         (tmp_path / "memory.events").write_text("low 0\nhigh 0\nmax 5\noom 3\noom_kill 2\n")
         (tmp_path / "io.stat").write_text("254:16 rbytes=77 wbytes=0\n254:0 rbytes=4096 wbytes=8192 rios=1\n")
-    assert g.read_bytes() == 4096 and g.oom_kills() == 2
+        (tmp_path / "cpu.stat").write_text("usage_usec 2500000\nuser_usec 2000000\nsystem_usec 500000\n")
+    assert g.read_bytes() == 4096 and g.oom_kills() == 2 and g.cpu_seconds() == 2.5
 
 
 def test_a_cpu_share_is_enforced_over_a_short_period_with_at_least_a_millisecond_of_quota() -> None:
@@ -196,3 +199,17 @@ def test_the_search_s_candidates_and_the_ratios_it_reports() -> None:
     assert tokens_match({"status": "ok", "token_ids": None, "text": " ab cd\n\n"}, ref)
     assert tokens_match({"status": "ok", "token_ids": None, "text": " ab ce"}, ref) is False
     assert tokens_match({"status": "oom", "token_ids": None, "text": None}, ref) is None
+
+
+def test_what_is_committed_names_no_path_of_this_machine(tmp_path: Path) -> None:
+    from benchmarks.peers import ROOT, Peers
+
+    peers = Peers(tmp_path / "prima.cpp", tmp_path / "distributed-llama", None)
+    home = Path.home()
+    log = tmp_path / "logs" / "W1" / "rank0.log"
+    log.parent.mkdir(parents=True)
+    log.write_bytes(f"$ {tmp_path}/prima.cpp/llama-cli -m {home}/.cache/m.gguf\n{ROOT}/x.py\n\xff\n".encode("latin-1"))
+    peers.scrub_logs(tmp_path / "logs")
+    text = log.read_bytes().decode("latin-1")
+    assert text == "$ <prima.cpp>/llama-cli -m ~/.cache/m.gguf\n<repo>/x.py\n\xff\n"
+    assert peers.scrub(f"--dllama {tmp_path}/distributed-llama") == "--dllama <distributed-llama>"

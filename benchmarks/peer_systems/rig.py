@@ -119,8 +119,8 @@ class Proc:
 
 @dataclass
 class Measure:
-    """Per device, over one run: peak memory in use less page cache, the OOM killer's count, disk bytes read (at the
-    start, at the first generated token, at the end)."""
+    """Per device, over one run: peak memory in use less page cache, the OOM killer's count, disk bytes read and CPU
+    time used (at the start, at the first generated token, at the end)."""
 
     names: list[str]
     caps: list[int]
@@ -129,6 +129,8 @@ class Measure:
     read_start: list[int]
     read_first: list[int] | None = None
     read_end: list[int] | None = None
+    cpu_first: list[float | None] | None = None
+    cpu_end: list[float | None] | None = None
     oom_after: list[int] = field(default_factory=list)
     first_at: float | None = None  # time.monotonic() of the first generated token
 
@@ -145,6 +147,8 @@ class Measure:
             decoded = max(1, tokens - 1)
             per_token = (None if self.read_first is None or self.read_end is None
                          else round((self.read_end[i] - self.read_first[i]) / decoded / MiB, 2))
+            cpu = (None if self.cpu_first is None or self.cpu_end is None or self.cpu_first[i] is None
+                   or self.cpu_end[i] is None else round(1000 * (self.cpu_end[i] - self.cpu_first[i]) / decoded, 2))
             out[name] = {"peak_used_mib": round(peak / MiB, 1), "cap_mib": round(self.caps[i] / MiB, 1),
                          "pressure": round(peak / self.caps[i], 4),
                          "peak_start_mib": round(self.watch.peak_used[i] / MiB, 1),
@@ -152,6 +156,7 @@ class Measure:
                          "disk_read_mib": round((self.read_end or self.read_start)[i] / MiB - self.read_start[i] / MiB,
                                                 1),
                          "disk_read_mib_per_token": per_token,
+                         "cpu_ms_per_token": cpu,
                          "used_mib_at_marks": {r["mark"]: r["used"] for r in rows}}
         return out
 
@@ -251,11 +256,13 @@ class Rig:
             m.watch.mark("end")
             m.watch.stop()
             m.read_end = [g.read_bytes() for g in self.groups]
+            m.cpu_end = [g.cpu_seconds() for g in self.groups]
             m.oom_after = [g.oom_kills() for g in self.groups]
 
     def first_token(self, m: Measure) -> None:
-        """Mark the first generated token: disk bytes per token count from here."""
+        """Mark the first generated token: disk bytes and CPU time per token count from here."""
         m.read_first = [g.read_bytes() for g in self.groups]
+        m.cpu_first = [g.cpu_seconds() for g in self.groups]
         m.first_at = time.monotonic()
         m.watch.mark("first token")
 

@@ -111,6 +111,10 @@ class Cgroup:
                 period = c.period_us
                 (d / "cpu.cfs_period_us").write_text(str(period))
                 (d / "cpu.cfs_quota_us").write_text(str(int(period * c.cpus)))  # type: ignore[operator]
+        if self.cpu_seconds() is None and (ROOT / "cpuacct").is_dir():  # CPU time counted, capped or not
+            d = ROOT / "cpuacct" / _own_path("cpuacct").lstrip("/") / (PREFIX + self.name)
+            d.mkdir(exist_ok=True)
+            self.dirs.append(d)
 
     def _create_v2(self) -> None:
         # v2 forbids processes in inner groups: make the caps a sibling of this process's own group
@@ -179,6 +183,15 @@ class Cgroup:
             if (d / f).exists():
                 return _stat_value((d / f).read_text(), "oom_kill")
         return 0
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time this group's processes have used so far (None where no controller counts it)."""
+        for d in self.dirs:
+            if (d / "cpuacct.usage").exists():  # v1: nanoseconds
+                return int((d / "cpuacct.usage").read_text()) / 1e9
+            if (d / "cpu.stat").exists() and "usage_usec" in (text := (d / "cpu.stat").read_text()):  # v2
+                return _stat_value(text, "usage_usec") / 1e6
+        return None
 
     def read_bytes(self) -> int:
         """Bytes this group has read from its disk so far (page faults of mmaps included)."""
