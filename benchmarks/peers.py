@@ -582,7 +582,8 @@ def table(results: dict[str, Any]) -> str:
                 continue
             why = r["error"].removeprefix(f"{r['status']}: ").split(" (")[0][:90] if r["status"] != "ok" else ""
             match = {True: "yes", False: "no", None: "-"}[r.get("tokens_match_plain")]
-            pressure = f"{100 * r['max_pressure']:.1f}%" if r.get("max_pressure") is not None else "-"
+            ran_ok = r["status"] == "ok" and r.get("max_pressure") is not None
+            pressure = f"{100 * r['max_pressure']:.1f}%" if ran_ok else "-"
             lines.append(f"| {name} | {system} | {r['status']}{': ' + why if why else ''} | {_f(r['tpot_s'])} | "
                          f"{_f(r['ttft_s'])} | {pressure} | {match} | {r['placement']}: {r.get('split') or '-'} |")
     out = ["\n".join(lines), ""]
