@@ -412,7 +412,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3, help="runs of each row; its median is reported (default 3)")
     ap.add_argument("--no-search", action="store_true", help="each system's own placement only")
     ap.add_argument("--quick", action="store_true",
-                    help="W3 on 4 devices and W1, one run each, own placements only (about 15 minutes)")
+                    help="W3 on 4 devices and W1, one run each, own placements only (8 minutes once built)")
     ap.add_argument("--workdir", type=Path, default=CACHE / "peers")
     ap.add_argument("--table", action="store_true",
                     help="print the results' table (markdown, as docs/peers.md and the README quote it) and exit")
