@@ -21,6 +21,8 @@ from benchmarks.peer_systems.base import Job, Outcome, last_lines, watch_first_o
 from benchmarks.peer_systems.rig import Rig
 from benchmarks.testbed.linkproxy import RemoteLinks
 
+NODE_TIMEOUT_S = 300  # the head's wait for a node's answer: an emulated device at a sixth of a core is slow
+
 NAME = "primaplug"
 RESULT = "primaplug-result "
 
@@ -66,7 +68,7 @@ def run(rig: Rig, job: Job, on_first_token: Any, *, scale: float = 1.0) -> Outco
         stop.set()
         if dead:
             return Outcome("failed", error=f"{dead} while the head waited on it (stopped here: the head would wait "
-                                           f"its 300 s for the node's answer): {last_lines(head.text())}")
+                                           f"its {NODE_TIMEOUT_S} s for the node's answer): {last_lines(head.text())}")
         lines = [ln for ln in bytes(head.err).decode(errors="replace").splitlines() if ln.startswith(RESULT)]
         if code is None:
             return Outcome("failed", error=f"the head did not finish within {job.timeout_s:.0f} s: "
@@ -125,7 +127,7 @@ def _head(a: argparse.Namespace) -> None:
         how = {"scheduler": "halda", "plan_settings": PlanSettings(slow_disk_bps=400e6 / a.scale,
                                                                     latency_model="ring")}
     llm = primaplug.Llama(a.model, nodes=nodes, route=route, n_ctx=a.n_ctx, n_batch=a.n_batch,
-                          n_ubatch=a.n_batch, n_threads=a.threads, node_threads=a.threads, timeout_s=300,
+                          n_ubatch=a.n_batch, n_threads=a.threads, node_threads=a.threads, timeout_s=NODE_TIMEOUT_S,
                           verbose=False, **how)
     try:
         prompt = llm.tokenize(a.prompt.encode(), add_bos=True, special=False)

@@ -98,9 +98,7 @@ class Cgroup:
         for controller, needed in (("memory", c.memory_bytes), ("blkio", c.read_bps), ("cpu", c.cpus)):
             if needed is None:
                 continue
-            d = ROOT / controller / _own_path(controller).lstrip("/") / (PREFIX + self.name)
-            d.mkdir(exist_ok=True)
-            self.dirs.append(d)
+            d = self._v1_group(controller)
             if controller == "memory":
                 (d / "memory.limit_in_bytes").write_text(str(c.memory_bytes))
                 if (d / "memory.memsw.limit_in_bytes").exists():  # no swap either
@@ -112,9 +110,13 @@ class Cgroup:
                 (d / "cpu.cfs_period_us").write_text(str(period))
                 (d / "cpu.cfs_quota_us").write_text(str(int(period * c.cpus)))  # type: ignore[operator]
         if self.cpu_seconds() is None and (ROOT / "cpuacct").is_dir():  # CPU time counted, capped or not
-            d = ROOT / "cpuacct" / _own_path("cpuacct").lstrip("/") / (PREFIX + self.name)
-            d.mkdir(exist_ok=True)
-            self.dirs.append(d)
+            self._v1_group("cpuacct")
+
+    def _v1_group(self, controller: str) -> Path:
+        d = ROOT / controller / _own_path(controller).lstrip("/") / (PREFIX + self.name)
+        d.mkdir(exist_ok=True)
+        self.dirs.append(d)
+        return d
 
     def _create_v2(self) -> None:
         # v2 forbids processes in inner groups: make the caps a sibling of this process's own group
