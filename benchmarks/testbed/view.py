@@ -39,8 +39,11 @@ class Lxcfs:
 
     def __enter__(self) -> Lxcfs:
         VIEW_ROOT.mkdir(exist_ok=True)
-        if self.meminfo.exists():
-            return self
+        try:
+            if self.meminfo.exists():
+                return self
+        except OSError:  # a daemon that died (the machine restarted under it) left its mount: "not connected"
+            self._unmount()
         binary = shutil.which("lxcfs")
         if binary is None:
             raise CgroupUnavailableError("the emulated devices' /proc/meminfo needs LXCFS: apt-get install lxcfs")
@@ -56,10 +59,15 @@ class Lxcfs:
             time.sleep(0.05)
         return self
 
+    def _unmount(self) -> None:
+        # root's umount: fusermount comes with fuse's package, which LXCFS may be installed without (fuse3's is
+        # fusermount3)
+        subprocess.run(["umount", "-l", str(self.mount)], capture_output=True)  # noqa: PLW1510
+
     def _stop(self) -> None:
         if self.proc is None:
             return
-        subprocess.run(["fusermount", "-u", str(self.mount)], capture_output=True)  # noqa: PLW1510
+        self._unmount()
         if self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(10)
