@@ -2,11 +2,12 @@
 """A mixture of experts larger than the cluster's memory: reading only the routed experts against reading whole
 layers, and against plain llama-cpp-python (needs root: cgroups and dropping the page cache).
 
-    sudo .venv/bin/python benchmarks/moe_streaming.py [--size 640M] [--layers 16] [--experts 64] [--used 8]
-                                                      [--memory-mib 150] [--disk-mbps 100] [--tokens 8]
+    sudo .venv/bin/python benchmarks/moe_streaming.py [--arch qwen3moe] [--size 640M] [--layers 16] [--experts 64]
+                                                      [--used 8] [--memory-mib 150] [--disk-mbps 100] [--tokens 8]
 
 Two emulated devices, each a real `primaplug node` in its own cgroup (memory cap, disk read cap) with its own copy
-of a synthetic qwen3moe (64 experts, 8 a token, about twice the two caps together), half the layers each; the head
+of a synthetic qwen3moe (or --arch: deepseek2, with latent attention, shared experts and grouped routing; 64 experts,
+8 a token, about twice the two caps together), half the layers each; the head
 (this process, uncapped) runs only the output layer. In one run, greedy decoding from a 16-token prompt:
 - plain llama-cpp-python in one device's cgroup (the baseline; without repacking, as the repacked weights would be
   anonymous memory over its cap, so its kernels round their own way: the ring's tokens are checked against plain
@@ -19,7 +20,7 @@ of a synthetic qwen3moe (64 experts, 8 a token, about twice the two caps togethe
 For each: TPOT; per node and decoded token, the bytes read (prefetch and experts) against what the token needs
 (the rest of its layers and its routed experts); how many chosen experts were resident or predicted. The bound:
 what each node needs a token over its disk's rate, summed round the ring (k = 1: the devices run one after the
-other). Writes benchmarks/results/moe_streaming.json and moe_streaming.png.
+other). Writes benchmarks/results/moe_streaming.json and moe_streaming.png (moe_streaming-ARCH.* for another --arch).
 """
 
 from __future__ import annotations
@@ -53,15 +54,14 @@ def _byte_size(text: str) -> int:
     return byte_size(text)
 
 
-def write_model(size: int, layers: int, experts: int, used: int, skew: float) -> Path:
+def write_model(arch: str, size: int, layers: int, experts: int, used: int, skew: float) -> Path:
     from primaplug.engine.synthetic import write_sized_model
 
-    path = CACHE / f"qwen3moe-{size >> 20}M-{layers}L-{experts}x{used}-skew{skew:g}-Q4_K_M.gguf"
+    path = CACHE / f"{arch}-{size >> 20}M-{layers}L-{experts}x{used}-skew{skew:g}-Q4_K_M.gguf"
     if not path.exists():
         CACHE.mkdir(parents=True, exist_ok=True)
         print(f"writing {path.name} (once)", file=sys.stderr)
-        write_sized_model(path, size, layers, arch="qwen3moe", n_expert=experts, n_expert_used=used,
-                          router_skew=skew)
+        write_sized_model(path, size, layers, arch=arch, n_expert=experts, n_expert_used=used, router_skew=skew)
     return path
 
 
@@ -128,6 +128,7 @@ def reference_tokens(model: Path, tokens: int) -> list[int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="qwen3moe", choices=("qwen3moe", "deepseek2", "glm4moe", "qwen35moe"))
     ap.add_argument("--size", type=_byte_size, default=_byte_size("640M"))
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--experts", type=int, default=64)
@@ -146,8 +147,8 @@ def main() -> None:
         half = args.layers // 2
         split = [half, args.layers - half]
         workdir = CACHE / "moe-testbed"
-        uniform = write_model(args.size, args.layers, args.experts, args.used, 0.0)
-        skewed = write_model(args.size, args.layers, args.experts, args.used, 1.0)
+        uniform = write_model(args.arch, args.size, args.layers, args.experts, args.used, 0.0)
+        skewed = write_model(args.arch, args.size, args.layers, args.experts, args.used, 1.0)
         layout = read_layout(uniform)
         caps = sum(d.memory_mib for d in devices) * MiB
         results: dict[str, Any] = {
@@ -179,7 +180,8 @@ def main() -> None:
         results["mismatch"] = [name for name, r in runs.items() if name != "plain" and r["tokens"] !=
                                results["reference_tokens"]["skewed" if "skewed" in name else "uniform"]]
         RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "moe_streaming.json").write_text(json.dumps(results, indent=1) + "\n")
+        out = RESULTS / ("moe_streaming" + ("" if args.arch == "qwen3moe" else f"-{args.arch}"))
+        (out.with_suffix(".json")).write_text(json.dumps(results, indent=1) + "\n")
         print(json.dumps({k: results[k] for k in ("model", "ratios", "mismatch")}, indent=1))
         for name, r in runs.items():
             extra = "" if name == "plain" else f", bound {r['bound_s']} s, nodes " + "; ".join(
@@ -187,10 +189,10 @@ def main() -> None:
                 + (f", {n['resident_share']:.0%} resident, {n['predicted_share']:.0%} predicted"
                    if "resident_share" in n else "") for n in r["nodes"])
             print(f"{name}: TPOT {r.get('tpot_s')} s{extra}")
-        _chart(results)
+        _chart(results, out.with_suffix(".png"))
 
 
-def _chart(results: dict[str, Any]) -> None:
+def _chart(results: dict[str, Any], png: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -205,11 +207,12 @@ def _chart(results: dict[str, Any]) -> None:
             ax.hlines(runs[n]["bound_s"], i - 0.4, i + 0.4, colors="#c44e52", label="bound" if i == 1 else None)
     ax.set_xticks(range(len(names)), [n.replace(", ", ",\n") for n in names], fontsize=8)
     ax.set_ylabel("TPOT (s)")
-    ax.set_title(f"MoE {results['model']['bytes'] / 1e6:.0f} MB ({results['model']['over_caps']}x the caps), "
-                 f"{results['model']['n_expert']} experts, {results['model']['n_expert_used']} a token")
+    m = results["model"]
+    ax.set_title(f"{results['args']['arch']} {m['bytes'] / 1e6:.0f} MB ({m['over_caps']}x the caps), "
+                 f"{m['n_expert']} experts, {m['n_expert_used']} a token")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "moe_streaming.png", dpi=120)
+    fig.savefig(png, dpi=120)
 
 
 if __name__ == "__main__":

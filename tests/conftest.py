@@ -30,6 +30,10 @@ SYNTHETIC = [
     ("olmo2", 7, "Q8_0"),  # norms after attention and FFN only
     ("phi3", 7, "Q8_0"),  # fused QKV and gate-up projections
     ("lfm2", 7, "Q8_0"),  # short convolutions (recurrent state) with attention every third layer, tied lm_head
+    # multi-head latent attention (a keys-only cache of the compressed vector), q LoRA, a dense first layer, routed
+    # experts by sigmoid with a selection bias within groups, beside shared ones (DeepSeek V3, R1, Kimi K2)
+    ("deepseek2", 7, "Q4_K_M"),
+    ("deepseek2-lite", 7, "Q8_0"),  # the same without q LoRA, softmax routing over all experts (DeepSeek-V2-Lite)
 ]
 
 
@@ -56,7 +60,8 @@ COMPUTE_BOUND = {
 # Architectures whose every split runs in the slow rung: `make test` runs each one's split with the output layer on the
 # head (test_windows_match_llama: a window from layer 0, one past it and the output-only window, which is all the
 # window code a graph has), its streamed windows (test_exact_windows) and one device's windows on one context.
-SPLITS_IN_SLOW_RUNG = {"gpt-oss", "glm4moe", "gemma2", "olmo2", "phi3", "qwen35moe", "gemma4", "llama4", "lfm2"}
+SPLITS_IN_SLOW_RUNG = {"gpt-oss", "glm4moe", "gemma2", "olmo2", "phi3", "qwen35moe", "gemma4", "llama4", "lfm2",
+                       "deepseek2", "deepseek2-lite"}
 FAST_SPLIT = "output-on-head"
 
 
@@ -100,12 +105,12 @@ def gemma_path() -> Path:
 
 def synthetic_path(model_dir: Path, arch: str, n_layer: int, ftype: str) -> Path:
     """Write (once per session) a synthetic model and its quantized copy; return the quantized one."""
-    from primaplug.engine.synthetic import SyntheticSpec, quantize, write_synthetic_gguf
+    from primaplug.engine.synthetic import quantize, synthetic_spec, write_synthetic_gguf
 
     out = model_dir / f"{arch}-{n_layer}L-{ftype}.gguf"
     if not out.exists():
         f32 = model_dir / f"{arch}-{n_layer}L-F32.gguf"
-        write_synthetic_gguf(f32, SyntheticSpec(arch=arch, n_layer=n_layer, seed=n_layer))
+        write_synthetic_gguf(f32, synthetic_spec(arch, n_layer=n_layer, seed=n_layer))
         quantize(f32, out, ftype)
         f32.unlink()
     return out

@@ -100,9 +100,22 @@ def test_router_choice_with_logit_bias_and_sigmoid_selection_bias() -> None:
     assert [set(r) for r in got.tolist()] == [set(r) for r in want.tolist()]
 
 
+def test_router_choice_within_expert_groups_as_deepseek_v3() -> None:
+    """DeepSeek-V3's grouped routing: sigmoid scores plus the selection bias; each group scored by its two best
+    experts; the token's experts only from the best groups, even where another group holds a better one."""
+    w = np.eye(8)  # the scores are the hidden state itself
+    x = np.array([[5.0, -9, -9, -9, 4.0, 3.9, -9, -9]])  # group 0 (experts 0, 1) has the best expert, group 2 (4, 5)
+    got = Router(w, None, np.zeros(8), gating="sigmoid", groups=4, groups_used=1).choose(x, 2)  # the best pair
+    assert set(got[0]) == {4, 5}
+    assert set(Router(w, None, np.zeros(8)).choose(x, 2)[0]) == {0, 4}  # ungrouped
+    sm = Router(w, None, None, gating="softmax", groups=4, groups_used=2).choose(x, 3)
+    assert set(sm[0]) == {0, 4, 5}  # groups 0 and 2; experts 1 and 6, 7 masked out
+
+
 @pytest.mark.parametrize(("arch", "ftype"), [("qwen3moe", "Q4_K_M"), ("gpt-oss", "MXFP4_MOE"),
                                              ("glm4moe", "Q4_K_M"), ("qwen35moe", "Q4_K_M"), ("gemma4", "Q4_K_M"),
-                                             ("llama4", "Q4_K_M")])
+                                             ("llama4", "Q4_K_M"), ("deepseek2", "Q4_K_M"),
+                                             ("deepseek2-lite", "Q8_0")])
 def test_a_window_tells_each_layers_choice_and_computes_the_same(model_dir: Path, arch: str, ftype: str) -> None:
     """The choice llama.cpp made, read from its graph, and the router input beside it: applying the layer's own
     router (read from the file) to that input gives the same choice; the outputs are bit for bit those of a window
@@ -113,7 +126,8 @@ def test_a_window_tells_each_layers_choice_and_computes_the_same(model_dir: Path
 
     path = synthetic_path(model_dir, arch, 7, ftype)
     layout = read_layout(path)
-    routers = load_routers(range(layout.n_layer), layout.read_tensor)
+    routers = load_routers(range(layout.n_layer), layout.read_tensor, gating=layout.expert_gating,
+                           groups=layout.expert_groups, groups_used=layout.expert_groups_used)
     settings = ContextSettings(n_ctx=128, n_batch=32, n_ubatch=16, n_threads=2)
     tokens = list(range(5, 45))  # three micro-batches of 16
     seen: list[tuple[int, np.ndarray, np.ndarray | None]] = []

@@ -87,3 +87,16 @@ def test_gemma4_with_per_layer_embeddings_is_refused_saying_why(tmp_path) -> Non
     assert not layout.supports_windows
     with pytest.raises(UnsupportedArchitectureError, match="per-layer token embeddings.*26B-A4B or 31B"):
         layout.check_supported()
+
+
+def test_latent_attention_caches_keys_only_and_routes_within_groups(model_dir) -> None:
+    """DeepSeek's latent attention caches one head of the compressed vector and its rotated part (the values are a
+    view of it, llama.cpp allocates none); V3 routes by sigmoid within groups, V2-Lite by softmax over all."""
+    v3 = read_layout(synthetic_path(model_dir, "deepseek2", 7, "Q4_K_M"))
+    assert v3.keys_only_cache and v3.n_head_kv == (1,) * 7 and v3.head_dims(0) == (128 + 32, 128)
+    assert v3.kv_bytes_per_token(0) == (128 + 32) * 2 and v3.supports_windows
+    assert (v3.expert_gating, v3.expert_groups, v3.expert_groups_used) == ("sigmoid", 4, 2)
+    assert v3.expert_slices(0) == () and len(v3.expert_slices(1)) == 3  # a dense first layer; shared experts apart
+    lite = read_layout(synthetic_path(model_dir, "deepseek2-lite", 7, "Q8_0"))
+    assert lite.keys_only_cache and lite.tensor("blk.0.attn_q.weight") is not None
+    assert (lite.expert_gating, lite.expert_groups) == ("softmax", 0)

@@ -34,7 +34,7 @@ TEXT = ("The quick brown fox jumps over the lazy dog while seven wizards hex a p
 
 # synthetic models beside Gemma: dense, and mixtures of experts (gpt-oss with a sliding window of 32 that the
 # continued prompts outgrow, so rewinds meet its window)
-SYNTHETIC = ("qwen3", "qwen3moe", "gpt-oss", "glm4moe", "qwen35", "gemma4", "lfm2")
+SYNTHETIC = ("qwen3", "qwen3moe", "gpt-oss", "glm4moe", "qwen35", "gemma4", "lfm2", "deepseek2")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,8 @@ def models(model_dir: Path, gemma_path: Path) -> dict[str, Path]:
             # recurrent layers: a prompt that diverges is evaluated anew, as plain llama-cpp-python does
             "qwen35": synthetic_path(model_dir, "qwen35", 7, "Q8_0"),
             "gemma4": synthetic_path(model_dir, "gemma4", 7, "Q4_K_M"),
-            "lfm2": synthetic_path(model_dir, "lfm2", 7, "Q8_0")}
+            "lfm2": synthetic_path(model_dir, "lfm2", 7, "Q8_0"),
+            "deepseek2": synthetic_path(model_dir, "deepseek2", 7, "Q4_K_M")}
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,8 @@ def models(model_dir: Path, gemma_path: Path) -> dict[str, Path]:
             "qwen35moe_7": synthetic_path(model_dir, "qwen35moe", 7, "Q4_K_M"),
             "gemma4_7": synthetic_path(model_dir, "gemma4", 7, "Q4_K_M"),
             "llama4_7": synthetic_path(model_dir, "llama4", 7, "Q4_K_M"),
-            "lfm2_7": synthetic_path(model_dir, "lfm2", 7, "Q8_0")}
+            "lfm2_7": synthetic_path(model_dir, "lfm2", 7, "Q8_0"),
+            "deepseek2_7": synthetic_path(model_dir, "deepseek2", 7, "Q4_K_M")}
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +84,7 @@ CASES = [  # model, layers per round (node, node, node[, head]) or None for an e
     ("gemma4_7", (2, 2, 2, 1), 1),  # the head holding a global layer
     ("llama4_7", (1, 2, 3, 1), 1),
     ("lfm2_7", (2, 1, 3, 1), 1),  # a node holding one attention layer alone
+    ("deepseek2_7", (1, 2, 3, 1), 1),  # latent attention: the dense first layer alone, a MoE layer on the head
 ]
 
 

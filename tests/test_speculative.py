@@ -175,7 +175,8 @@ def test_a_rejected_draft_token_changes_nothing(gemma_path: Path, wrong: int) ->
     assert stats.drafted > N // 3 and abs(stats.accepted - kept_per_step * stats.drafted / 2) <= 1, stats.describe()
 
 
-@pytest.mark.parametrize(("arch", "ftype"), [("qwen3moe", "Q4_K_M"), ("gpt-oss", "MXFP4_MOE"), ("glm4moe", "Q4_K_M")])
+@pytest.mark.parametrize(("arch", "ftype"), [("qwen3moe", "Q4_K_M"), ("gpt-oss", "MXFP4_MOE"), ("glm4moe", "Q4_K_M"),
+                                             ("deepseek2", "Q4_K_M")])
 def test_a_rejected_draft_changes_nothing_on_a_mixture_of_experts(model_dir: Path, arch: str, ftype: str) -> None:
     """The same on mixtures of experts (the experts a token routes to are chosen again when its position is computed
     again; gpt-oss's sliding window forgets positions too): each draft has a wrong token, the first or the second in

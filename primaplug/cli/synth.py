@@ -27,14 +27,15 @@ def byte_size(text: str) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    from primaplug.engine.synthetic import ARCHS
+    from primaplug.engine.synthetic import SYNTH_NAMES
 
     synth = sub.add_parser("synth", help="write a synthetic GGUF of a chosen architecture and size (random weights)")
     synth.add_argument("output", help="the GGUF file to write")
     synth.add_argument("--size", type=byte_size, required=True, help="file size to aim at, e.g. 1.5G or 800M")
     synth.add_argument("--layers", type=int, default=32, help="transformer layers (default 32)")
-    synth.add_argument("--arch", default="llama", choices=ARCHS,
-                       help="architecture: its real tensor names, shapes and hyper-parameters (default llama)")
+    synth.add_argument("--arch", default="llama", choices=SYNTH_NAMES,
+                       help="architecture: its real tensor names, shapes and hyper-parameters (default llama); "
+                            "deepseek2-lite: deepseek2 without q LoRA, routing by softmax (DeepSeek-V2-Lite)")
     synth.add_argument("--experts", type=int, default=64, help="experts per layer of a mixture of experts (default 64)")
     synth.add_argument("--experts-used", type=int, default=8, help="experts a token is routed to (default 8)")
     synth.add_argument("--type", default="Q4_K_M",
@@ -58,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
     moe = dict(arch=args.arch, n_expert=args.experts, n_expert_used=args.experts_used)
     spec = spec_for_size(args.size, args.layers, ftype=args.type, seed=args.seed, **moe)
     experts = (f", {spec.n_expert} experts of {spec.n_ff_exp} rows, {spec.n_expert_used} a token"
-               if args.arch in MOE_ARCHS else f", n_ff {spec.n_ff}")
+               if spec.arch in MOE_ARCHS else f", n_ff {spec.n_ff}")
     say(f"writing {out.name}: {args.arch}, {spec.n_layer} layers, n_embd {spec.n_embd}{experts}, "
         f"{spec.n_head} heads ({spec.n_head_kv} KV), vocab {spec.n_vocab}, {args.type}, random weights "
         f"(seed {args.seed})")

@@ -140,7 +140,9 @@ class DeviceWindows:
             if plan.experts is not None:
                 e = plan.experts
                 experts = ExpertCache(model.source, e.slices, e.n_expert, e.budget_bytes, n_used=e.n_used,
-                                      routers=load_routers(sorted(e.slices), layout.read_tensor))
+                                      routers=load_routers(sorted(e.slices), layout.read_tensor,
+                                                           gating=layout.expert_gating, groups=layout.expert_groups,
+                                                           groups_used=layout.expert_groups_used))
             windows = model.round_windows(ranges, settings=context,
                                           on_layer=[hooks.on_layer(i) for i in range(len(ranges))],
                                           on_route=experts.on_route if experts is not None else None)

@@ -30,7 +30,7 @@ from primaplug.core.windows import LayerRange
 # Architectures whose graphs the patch (patches/0001) can split into windows; must match
 # llama_window_supported_archs() in the engine (a test checks it).
 SUPPORTED_ARCHS = ("llama", "llama4", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "gpt-oss", "glm4moe",
-                   "mistral3", "granite", "gemma3", "gemma2", "gemma4", "olmo2", "phi3", "lfm2")
+                   "mistral3", "granite", "gemma3", "gemma2", "gemma4", "olmo2", "phi3", "lfm2", "deepseek2")
 # Architectures with recurrent layers (gated delta-net) beside attention, each layer marked in the file or full
 # attention every `full_attention_interval`-th layer (llama.cpp's default for them: 4); they rotate positions with
 # M-RoPE, which takes four positions per hidden-state row. LFM2's recurrent layers are short convolutions, the
@@ -109,6 +109,14 @@ class ModelLayout:
     positions_per_row: int = 1
     # one sequence's recurrent state in a recurrent layer: the convolution's last inputs and the delta-net's matrix
     recurrent_state_bytes: int = 0
+    # multi-head latent attention (deepseek2): the cache holds keys only, the compressed vector and its rotated part
+    # (head_dim_k wide, one head), whose first head_dim_v values llama.cpp reads as the values
+    keys_only_cache: bool = False
+    # how a token's experts are chosen (llama.cpp's expert_gating_func): "softmax" or "sigmoid" of the router's
+    # logits (or "softmax_weight"), then within the best expert_groups_used of expert_groups groups where those are set
+    expert_gating: str = "softmax"
+    expert_groups: int = 0
+    expert_groups_used: int = 0
 
     @property
     def n_layer_all(self) -> int:
@@ -250,7 +258,8 @@ class ModelLayout:
         (recurrent_state_bytes a sequence) does not grow."""
         if self.is_recurrent(layer):
             return 0
-        return self.n_head_kv[layer] * sum(self.head_dims(layer)) * bytes_per_value
+        k, v = self.head_dims(layer)
+        return self.n_head_kv[layer] * (k + (0 if self.keys_only_cache else v)) * bytes_per_value
 
     def cache_bytes(self, layer: int, n_ctx: int, n_seq: int = 1) -> int:
         """What a layer's cache takes for n_ctx positions over n_seq sequences: keys and values, or a recurrent
@@ -451,8 +460,30 @@ def _layout(
         n_layer_nextn=n_layer_nextn,
         head_dim_k_swa=int(swa_k) if swa_k else None, head_dim_v_swa=int(swa_v) if swa_v else None,
         unsupported_reason=_unsupported_reason(arch, kv, n_layer),
+        keys_only_cache=bool(kv.get(f"{arch}.attention.key_length_mla")) and bool(
+            kv.get(f"{arch}.attention.value_length_mla")),
+        **_routing(arch, kv, n_layer),
         **_recurrence(arch, kv, n_layer),
     )
+
+
+# llama.cpp's llama_expert_gating_func_type
+_GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight", 4: "sqrt_softplus"}
+
+
+def _routing(arch: str, kv: dict[str, Any], n_layer: int) -> dict[str, Any]:
+    """How a mixture of experts chooses (llama.cpp's load_hparams and build_moe_ffn): the gating function, which
+    deepseek2 files may leave out (then softmax, as DeepSeek V2; sigmoid for GLM-4.7-Flash, as llama.cpp tells it by
+    its 47 or 48 layers and 154880 tokens), and the expert groups."""
+    gating = kv.get(f"{arch}.expert_gating_func")
+    if not gating and arch == "deepseek2":
+        tokens = kv.get("tokenizer.ggml.tokens")
+        n_vocab = int(kv.get(f"{arch}.vocab_size") or (tokens if isinstance(tokens, int) else len(tokens or [])))
+        gating = 2 if n_layer in (47, 48) and n_vocab == 154880 else 1
+    default = "sigmoid" if arch in ("glm4moe", "llama4") else "softmax"
+    return {"expert_gating": _GATING.get(int(gating or 0), default),
+            "expert_groups": int(kv.get(f"{arch}.expert_group_count") or 0),
+            "expert_groups_used": int(kv.get(f"{arch}.expert_group_used_count") or 0)}
 
 
 def _recurrence(arch: str, kv: dict[str, Any], n_layer: int) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import ExpertGatingFuncType, GGUFWriter
@@ -22,8 +23,13 @@ from primaplug.core.errors import EngineError, ModelFormatError
 FTYPES = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K_M": 15, "Q4_K_S": 14, "Q5_K_M": 17, "Q6_K": 18, "MXFP4_MOE": 38}
 # each written with its real tensor names, shapes and hyper-parameters (llama.cpp's src/models/<arch>.cpp)
 ARCHS = ("llama", "llama4", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "gpt-oss", "glm4moe", "mistral3",
-         "granite", "gemma2", "gemma4", "olmo2", "phi3", "lfm2")
-MOE_ARCHS = ("llama4", "qwen3moe", "qwen35moe", "gpt-oss", "glm4moe", "gemma4")
+         "granite", "gemma2", "gemma4", "olmo2", "phi3", "lfm2", "deepseek2")
+MOE_ARCHS = ("llama4", "qwen3moe", "qwen35moe", "gpt-oss", "glm4moe", "gemma4", "deepseek2")
+# named shapes of an architecture that differ in which tensors they have: DeepSeek-V2-Lite's queries come from one
+# projection (no q LoRA) and it routes by softmax over all experts, where V3 and R1 (deepseek2) route by sigmoid with a
+# selection bias, within the best groups of experts
+VARIANTS = {"deepseek2-lite": {"arch": "deepseek2", "q_lora_rank": 0, "expert_groups": 0}}
+SYNTH_NAMES = ARCHS + tuple(VARIANTS)
 # gated delta-net layers (recurrent state) with full attention every QWEN35_ATTENTION_INTERVAL-th layer (the real
 # models: every 4th; here every 3rd, so that 7 layers hold two attention layers)
 QWEN35_ARCHS = ("qwen35", "qwen35moe")
@@ -56,6 +62,17 @@ class SyntheticSpec:
     n_dense_lead: int = 1
     n_nextn: int = 1
     sliding_window: int = 32  # _SLIDING archs: short, so that the tests' prompts outgrow it
+    # deepseek2's multi-head latent attention: queries through a rank-q_lora_rank bottleneck (0: one projection),
+    # keys and values from one compressed vector of kv_lora_rank (what the cache holds, with the rotated part of the
+    # key, mla_rope wide); heads of mla_nope + mla_rope for keys and mla_v for values once decompressed.
+    # expert_groups > 0: experts in that many groups, a token's chosen from the best expert_groups_used of them
+    q_lora_rank: int = 128
+    kv_lora_rank: int = 128
+    mla_rope: int = 32
+    mla_nope: int = 64
+    mla_v: int = 64
+    expert_groups: int = 4
+    expert_groups_used: int = 2
     # > 0: expert e's router row scaled by (e + 1) ** -router_skew (then to a mean of 1): its logits spread more,
     # so it is chosen more often, the low-numbered experts most. Random weights otherwise route uniformly.
     router_skew: float = 0.0
@@ -130,6 +147,9 @@ def _tensors(spec: SyntheticSpec,
             continue
         if a == "lfm2":
             yield from _lfm2_layer(spec, il, mat, norm)
+            continue
+        if a == "deepseek2":
+            yield from _deepseek2_layer(spec, il, mat, norm, bias, experts)
             continue
         if a != "olmo2":  # olmo2 normalises after attention and FFN only
             yield p + "attn_norm.weight", (e,), norm(e)
@@ -275,6 +295,35 @@ def _qwen35_layer(spec: SyntheticSpec, il: int, mat: Callable[..., Maker], norm:
     yield p + "ffn_down_shexp.weight", (e, f), mat(e, f)
 
 
+def _deepseek2_layer(spec: SyntheticSpec, il: int, mat: Callable[..., Maker], norm: Callable[..., Maker],
+                     bias: Callable[..., Maker],
+                     experts: Callable[[int, int, int], Maker]) -> Iterator[tuple[str, tuple[int, ...], Maker]]:
+    """A DeepSeek V2/V3 block (llama.cpp's models/deepseek2.cpp, as today's converter writes it): multi-head latent
+    attention with the key's and value's decompressions as per-head matrices (attn_k_b, attn_v_b), then a dense FFN
+    in the leading layers and routed experts beside shared ones after them."""
+    e, p, h = spec.n_embd, f"blk.{il}.", spec.n_head
+    q, kv, rope = spec.q_lora_rank, spec.kv_lora_rank, spec.mla_rope
+    k_head = spec.mla_nope + rope
+    yield p + "attn_norm.weight", (e,), norm(e)
+    if q:
+        yield p + "attn_q_a_norm.weight", (q,), norm(q)
+    yield p + "attn_kv_a_norm.weight", (kv,), norm(kv)
+    if q:
+        yield p + "attn_q_a.weight", (q, e), mat(q, e)
+        yield p + "attn_q_b.weight", (h * k_head, q), mat(h * k_head, q)
+    else:
+        yield p + "attn_q.weight", (h * k_head, e), mat(h * k_head, e)
+    yield p + "attn_kv_a_mqa.weight", (kv + rope, e), mat(kv + rope, e)
+    yield p + "attn_k_b.weight", (h, kv, spec.mla_nope), experts(h, kv, spec.mla_nope)
+    yield p + "attn_v_b.weight", (h, spec.mla_v, kv), experts(h, spec.mla_v, kv)
+    yield p + "attn_output.weight", (e, h * spec.mla_v), mat(e, h * spec.mla_v, spec.out_scale(il))
+    yield p + "ffn_norm.weight", (e,), norm(e)
+    if il < spec.n_dense_lead:
+        yield from _dense_ffn(spec, p, mat, spec.out_scale(il))
+    else:
+        yield from _moe_ffn(spec, p, mat, experts, bias)
+
+
 def gemma4_sliding(il: int) -> bool:
     """Gemma 4's synthetic layer pattern: two sliding-window layers, then a global one (the real models: five, one)."""
     return il % 3 < 2
@@ -328,8 +377,8 @@ def _moe_ffn(spec: SyntheticSpec, p: str, mat: Callable[..., Maker], experts: Ca
     yield p + "ffn_gate_inp.weight", (x, e), lambda: router() * gain
     if spec.arch == "gpt-oss":
         yield p + "ffn_gate_inp.bias", (x,), bias(x)
-    if spec.arch == "glm4moe":  # the routing bias of DeepSeek-V3's auxiliary-loss-free balancing
-        yield p + "exp_probs_b.bias", (x,), bias(x)
+    if spec.arch == "glm4moe" or (spec.arch == "deepseek2" and spec.expert_groups):
+        yield p + "exp_probs_b.bias", (x,), bias(x)  # the routing bias of DeepSeek-V3's auxiliary-loss-free balancing
     yield p + "ffn_gate_exps.weight", (x, f, e), experts(x, f, e)
     yield p + "ffn_up_exps.weight", (x, f, e), experts(x, f, e)
     yield p + "ffn_down_exps.weight", (x, e, f), experts(x, e, f)
@@ -337,7 +386,7 @@ def _moe_ffn(spec: SyntheticSpec, p: str, mat: Callable[..., Maker], experts: Ca
         yield p + "ffn_gate_exps.bias", (x, f), bias(x, f)
         yield p + "ffn_up_exps.bias", (x, f), bias(x, f)
         yield p + "ffn_down_exps.bias", (x, e), bias(x, e)
-    if spec.arch in ("glm4moe", "llama4"):
+    if spec.arch in ("glm4moe", "llama4", "deepseek2"):
         s = f * spec.n_expert_shared
         yield p + "ffn_gate_shexp.weight", (s, e), mat(s, e)
         yield p + "ffn_up_shexp.weight", (s, e), mat(s, e)
@@ -376,6 +425,15 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
         w.add_embedding_length_per_layer_input(0)  # no per-layer token embeddings (E2B, E4B): windows refuse them
         w.add_final_logit_softcapping(100.0)  # far from saturation: no near-ties at the cap
         w.add_rope_freq_base_swa(10000.0)
+    elif spec.arch == "deepseek2":  # MLA as one key-value head over the compressed vector (the converter's layout)
+        w.add_head_count_kv(1)
+        w.add_key_length(spec.kv_lora_rank + spec.mla_rope)
+        w.add_value_length(spec.kv_lora_rank)
+        w.add_key_length_mla(spec.mla_nope + spec.mla_rope)
+        w.add_value_length_mla(spec.mla_v)
+        w.add_q_lora_rank(spec.q_lora_rank)
+        w.add_kv_lora_rank(spec.kv_lora_rank)
+        w.add_rope_dimension_count(spec.mla_rope)
     elif spec.arch == "lfm2":  # no KV head where a layer is a convolution: that is how llama.cpp tells them apart
         w.add_head_count_kv([spec.n_head_kv if lfm2_attention(il) else 0 for il in range(spec.n_layer)])
         w.add_uint32("lfm2.shortconv.l_cache", _LFM2_CONV)
@@ -404,6 +462,15 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
         w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
         w.add_nextn_predict_layers(spec.n_nextn)
         w.add_rope_dimension_count(hd // 2)
+    if spec.arch == "deepseek2":  # V3: sigmoid routing with a selection bias within groups; V2-Lite: softmax
+        w.add_expert_shared_count(spec.n_expert_shared)
+        w.add_leading_dense_block_count(spec.n_dense_lead)
+        w.add_expert_weights_scale(2.5 if spec.expert_groups else 1.0)
+        w.add_expert_weights_norm(bool(spec.expert_groups))
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID if spec.expert_groups else ExpertGatingFuncType.SOFTMAX)
+        if spec.expert_groups:
+            w.add_expert_group_count(spec.expert_groups)
+            w.add_expert_group_used_count(spec.expert_groups_used)
     if spec.arch in _SLIDING:
         w.add_sliding_window(spec.sliding_window)
     if spec.arch in QWEN35_ARCHS:  # partial M-RoPE (a quarter of each head, as the real models), the delta-net
@@ -461,21 +528,31 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
     return Path(path)
 
 
+def synthetic_spec(name: str, **shape: Any) -> SyntheticSpec:
+    """The spec of an architecture (ARCHS) or of a named variant of one (VARIANTS), with `shape`'s fields."""
+    if name in VARIANTS:
+        return SyntheticSpec(**{**VARIANTS[name], **shape})
+    if name not in ARCHS:
+        raise ValueError(f"no synthetic writer for {name!r} (have {', '.join(SYNTH_NAMES)})")
+    return SyntheticSpec(arch=name, **shape)
+
+
 def spec_for_size(size_bytes: int, n_layer: int, *, ftype: str = "Q4_K_M", n_vocab: int = 4096, seed: int = 0,
                   arch: str = "llama", n_expert: int = 64, n_expert_used: int = 8,
                   router_skew: float = 0.0, shallow_layers: int = 0, deep_scale: float = 1.0) -> SyntheticSpec:
     """A shape of `arch` whose `ftype` file is about `size_bytes`: Llama-3-like proportions (head dim 128, a quarter
     as many KV heads, FFN 3.5x the embedding), the embedding a multiple of 256 for k-quants. A mixture of experts
     (MOE_ARCHS) gets n_expert experts of half the embedding's width each, n_expert_used a token (Qwen3-30B-A3B:
-    128 of 0.375x, 8 a token)."""
-    if arch not in ARCHS:
-        raise ValueError(f"no synthetic writer for architecture {arch!r} (have {', '.join(ARCHS)})")
+    128 of 0.375x, 8 a token). `arch` may name a variant (VARIANTS)."""
+    if arch not in SYNTH_NAMES:
+        raise ValueError(f"no synthetic writer for architecture {arch!r} (have {', '.join(SYNTH_NAMES)})")
+    variant, arch = arch, VARIANTS.get(arch, {"arch": arch})["arch"]
     bits = {"Q4_K_M": 4.85, "Q4_K_S": 4.6, "Q5_K_M": 5.7, "Q6_K": 6.6, "Q8_0": 8.5, "F16": 16, "F32": 32,
             "MXFP4_MOE": 4.25}[ftype]
     moe = arch in MOE_ARCHS
     # weights per layer in units of e^2: q and o (1 each), k and v (1/4 each); then gate, up and down (3 x 3.5),
     # or for experts of width e/2, 1.5 per expert (and what is beside them)
-    beside = {"glm4moe": 1.5, "gemma4": 10.5}.get(arch, 0.0)  # a shared expert; gemma4's dense MLP
+    beside = {"glm4moe": 1.5, "deepseek2": 1.5, "gemma4": 10.5}.get(arch, 0.0)  # a shared expert; gemma4's MLP
     per_e2 = 2.5 + (1.5 * n_expert + beside if moe else 10.5)
     per_layer_weights = size_bytes * 8 / bits / n_layer
     e = max(256, int(round((per_layer_weights / per_e2) ** 0.5 / 256)) * 256)
@@ -485,10 +562,18 @@ def spec_for_size(size_bytes: int, n_layer: int, *, ftype: str = "Q4_K_M", n_voc
     # the experts' width from what is left of the layer once e is rounded (a multiple of 256, for k-quants)
     left = per_layer_weights - (2.5 + beside) * e * e
     n_ff_exp = max(256, int(round(left / (3 * e * n_expert) / 256)) * 256)
-    extra = dict(n_expert=n_expert, n_expert_used=n_expert_used, n_ff_exp=n_ff_exp,
-                 router_skew=router_skew) if moe else {}
-    return SyntheticSpec(arch=arch, n_layer=n_layer, n_embd=e, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
-                         n_vocab=n_vocab, seed=seed, shallow_layers=shallow_layers, deep_scale=deep_scale, **extra)
+    extra: dict[str, Any] = dict(n_expert=n_expert, n_expert_used=n_expert_used, n_ff_exp=n_ff_exp,
+                                 router_skew=router_skew) if moe else {}
+    if arch == "deepseek2":  # DeepSeek-V3's proportions: q LoRA about e/4, the cached vector about e/14 (at least 128)
+        extra |= dict(kv_lora_rank=max(128, e // 14 // 128 * 128),
+                      q_lora_rank=max(128, e // 4 // 128 * 128) if VARIANTS.get(variant, {}).get("q_lora_rank", 1)
+                      else 0,
+                      expert_groups=min(8, n_expert // 2) if VARIANTS.get(variant, {}).get("expert_groups", 1)
+                      else 0)
+        if extra["expert_groups"]:
+            extra["expert_groups_used"] = max(1, extra["expert_groups"] // 2)
+    return synthetic_spec(variant, n_layer=n_layer, n_embd=e, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
+                          n_vocab=n_vocab, seed=seed, shallow_layers=shallow_layers, deep_scale=deep_scale, **extra)
 
 
 def write_sized_model(path: str | os.PathLike[str], size_bytes: int, n_layer: int, *, ftype: str = "Q4_K_M",

@@ -34,20 +34,39 @@ Slices = tuple[tuple[int, int], ...]  # (offset, bytes per expert) of each route
 
 @dataclass(frozen=True)
 class Router:
-    """What predicts a layer's choice from a hidden state: its router matrix (n_expert, n_embd) and the biases
-    that change which experts are chosen (gpt-oss's logit bias; the selection bias of sigmoid routing)."""
+    """What predicts a layer's choice from a hidden state, as llama.cpp's build_moe_ffn chooses: its router matrix
+    (n_expert, n_embd), the biases that change which experts are chosen (gpt-oss's logit bias; the selection bias
+    that DeepSeek-V3 adds to the gating's output), the gating function, and DeepSeek's expert groups (the experts of
+    the best `groups_used` of `groups` groups, a group scored by its two best experts)."""
 
     weight: np.ndarray
     bias: np.ndarray | None = None
-    selection_bias: np.ndarray | None = None  # added after a sigmoid (glm4moe, DeepSeek-V3)
+    selection_bias: np.ndarray | None = None  # added after the gating (glm4moe, DeepSeek-V3)
+    gating: str = "sigmoid"
+    groups: int = 0
+    groups_used: int = 0
 
     def choose(self, x: np.ndarray, k: int) -> np.ndarray:
         """The k experts each row of x (n_tokens, n_embd) would be routed to: (n_tokens, k)."""
         scores = x @ self.weight.T
         if self.bias is not None:
             scores = scores + self.bias
-        if self.selection_bias is not None:
-            scores = 1.0 / (1.0 + np.exp(-scores)) + self.selection_bias
+        if self.selection_bias is not None or self.groups > 1:  # else the gating keeps the logits' order
+            if self.gating == "softmax":
+                scores = np.exp(scores - scores.max(axis=1, keepdims=True))
+                scores /= scores.sum(axis=1, keepdims=True)
+            elif self.gating == "sigmoid":
+                scores = 1.0 / (1.0 + np.exp(-scores))
+            if self.selection_bias is not None:
+                scores = scores + self.selection_bias
+        if self.groups > 1:
+            grouped = scores.reshape(len(scores), self.groups, -1)
+            best = np.sort(grouped, axis=2)[:, :, -2:].sum(axis=2)  # (n_tokens, groups)
+            keep = np.argpartition(-best, self.groups_used - 1, axis=1)[:, : self.groups_used]
+            masked = np.full_like(grouped, -np.inf)
+            rows = np.arange(len(scores))[:, None]
+            masked[rows, keep] = grouped[rows, keep]
+            scores = masked.reshape(len(scores), -1)
         return np.argpartition(-scores, k - 1, axis=1)[:, :k]
 
 
@@ -218,12 +237,15 @@ class ExpertCache:
             self._advisor.close()
 
 
-def load_routers(layers: Sequence[int], read: Callable[[str], np.ndarray | None]) -> dict[int, Router]:
-    """Routers of `layers`: `read(name)` gives a tensor as float32 numpy (ggml's dims reversed), or None."""
+def load_routers(layers: Sequence[int], read: Callable[[str], np.ndarray | None], *, gating: str = "sigmoid",
+                 groups: int = 0, groups_used: int = 0) -> dict[int, Router]:
+    """Routers of `layers`: `read(name)` gives a tensor as float32 numpy (ggml's dims reversed), or None; the model's
+    gating and expert groups (ModelLayout.expert_gating, expert_groups, expert_groups_used)."""
     out = {}
     for il in layers:
         w = read(f"blk.{il}.ffn_gate_inp.weight")
         if w is None:
             continue
-        out[il] = Router(w.astype(np.float32), read(f"blk.{il}.ffn_gate_inp.bias"), read(f"blk.{il}.exp_probs_b.bias"))
+        out[il] = Router(w.astype(np.float32), read(f"blk.{il}.ffn_gate_inp.bias"), read(f"blk.{il}.exp_probs_b.bias"),
+                         gating=gating, groups=groups, groups_used=groups_used)
     return out
