@@ -58,6 +58,9 @@ def test_hybrid_and_gemma4_layouts(model_dir) -> None:
     lfm2 = read_layout(synthetic_path(model_dir, "lfm2", 7, "Q8_0"))  # convolutions: the layers with no KV head
     assert lfm2.recurrent_layers == tuple((il + 1) % 3 != 0 for il in range(7)) and lfm2.has_recurrent_layers
     assert lfm2.recurrent_state_bytes == 4 * 256 * 2 and lfm2.positions_per_row == 1
+    moe = read_layout(synthetic_path(model_dir, "lfm2moe", 7, "Q4_K_M"))  # LFM2's layers, experts after the first
+    assert moe.recurrent_layers == lfm2.recurrent_layers and moe.recurrent_state_bytes == lfm2.recurrent_state_bytes
+    assert moe.expert_slices(0) == () and moe.expert_slices(1) and moe.expert_gating == "sigmoid"
     assert [t.name for t in lfm2.output_tensors] == ["token_embd_norm.weight", "token_embd.weight"]
     llama4 = read_layout(synthetic_path(model_dir, "llama4", 7, "Q4_K_M"))  # chunks of 8192, three of four layers
     assert llama4.sliding_window == 8192 and llama4.swa_layers == (True, True, True, False, True, True, True)

@@ -34,7 +34,7 @@ TEXT = ("The quick brown fox jumps over the lazy dog while seven wizards hex a p
 
 # synthetic models beside Gemma: dense, and mixtures of experts (gpt-oss with a sliding window of 32 that the
 # continued prompts outgrow, so rewinds meet its window)
-SYNTHETIC = ("qwen3", "qwen3moe", "gpt-oss", "glm4moe", "qwen35", "gemma4", "lfm2", "deepseek2")
+SYNTHETIC = ("qwen3", "qwen3moe", "gpt-oss", "glm4moe", "qwen35", "gemma4", "lfm2", "deepseek2", "lfm2moe")
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,8 @@ def models(model_dir: Path, gemma_path: Path) -> dict[str, Path]:
             "qwen35": synthetic_path(model_dir, "qwen35", 7, "Q8_0"),
             "gemma4": synthetic_path(model_dir, "gemma4", 7, "Q4_K_M"),
             "lfm2": synthetic_path(model_dir, "lfm2", 7, "Q8_0"),
-            "deepseek2": synthetic_path(model_dir, "deepseek2", 7, "Q4_K_M")}
+            "deepseek2": synthetic_path(model_dir, "deepseek2", 7, "Q4_K_M"),
+            "lfm2moe": synthetic_path(model_dir, "lfm2moe", 7, "Q4_K_M")}
 
 
 @pytest.fixture(scope="module")

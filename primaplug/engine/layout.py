@@ -30,7 +30,8 @@ from primaplug.core.windows import LayerRange
 # Architectures whose graphs the patch (patches/0001) can split into windows; must match
 # llama_window_supported_archs() in the engine (a test checks it).
 SUPPORTED_ARCHS = ("llama", "llama4", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "gpt-oss", "glm4moe",
-                   "mistral3", "granite", "gemma3", "gemma2", "gemma4", "olmo2", "phi3", "lfm2", "deepseek2")
+                   "mistral3", "granite", "gemma3", "gemma2", "gemma4", "olmo2", "phi3", "lfm2", "deepseek2",
+                   "lfm2moe")
 # Architectures with recurrent layers (gated delta-net) beside attention, each layer marked in the file or full
 # attention every `full_attention_interval`-th layer (llama.cpp's default for them: 4); they rotate positions with
 # M-RoPE, which takes four positions per hidden-state row. LFM2's recurrent layers are short convolutions, the
@@ -489,11 +490,11 @@ def _routing(arch: str, kv: dict[str, Any], n_layer: int) -> dict[str, Any]:
 def _recurrence(arch: str, kv: dict[str, Any], n_layer: int) -> dict[str, Any]:
     """Which layers are recurrent, and what a sequence's state takes in each (llama.cpp's qwen35.cpp and
     llama_hparams::n_embd_r/n_embd_s, F32)."""
-    if arch == "lfm2":  # a convolution's last l_cache - 1 inputs, F32
-        heads = kv.get("lfm2.attention.head_count_kv")
+    if arch in ("lfm2", "lfm2moe"):  # a convolution's last l_cache - 1 inputs, F32
+        heads = kv.get(f"{arch}.attention.head_count_kv")
         recurrent = tuple(int(h) == 0 for h in heads[:n_layer]) if isinstance(heads, list) else (False,) * n_layer
-        n_embd = int(kv.get("lfm2.embedding_length") or 0)
-        state = 4 * n_embd * max(0, int(kv.get("lfm2.shortconv.l_cache") or 0) - 1)
+        n_embd = int(kv.get(f"{arch}.embedding_length") or 0)
+        state = 4 * n_embd * max(0, int(kv.get(f"{arch}.shortconv.l_cache") or 0) - 1)
         return {"recurrent_layers": recurrent, "recurrent_state_bytes": state}
     if arch not in _HYBRID_ARCHS:
         return {}

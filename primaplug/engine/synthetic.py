@@ -23,8 +23,9 @@ from primaplug.core.errors import EngineError, ModelFormatError
 FTYPES = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K_M": 15, "Q4_K_S": 14, "Q5_K_M": 17, "Q6_K": 18, "MXFP4_MOE": 38}
 # each written with its real tensor names, shapes and hyper-parameters (llama.cpp's src/models/<arch>.cpp)
 ARCHS = ("llama", "llama4", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "gpt-oss", "glm4moe", "mistral3",
-         "granite", "gemma2", "gemma4", "olmo2", "phi3", "lfm2", "deepseek2")
-MOE_ARCHS = ("llama4", "qwen3moe", "qwen35moe", "gpt-oss", "glm4moe", "gemma4", "deepseek2")
+         "granite", "gemma2", "gemma4", "olmo2", "phi3", "lfm2", "lfm2moe", "deepseek2")
+MOE_ARCHS = ("llama4", "qwen3moe", "qwen35moe", "gpt-oss", "glm4moe", "gemma4", "lfm2moe", "deepseek2")
+_LFM2_ARCHS = ("lfm2", "lfm2moe")
 # named shapes of an architecture that differ in which tensors they have: DeepSeek-V2-Lite's queries come from one
 # projection (no q LoRA) and it routes by softmax over all experts, where V3 and R1 (deepseek2) route by sigmoid with a
 # selection bias, within the best groups of experts
@@ -133,7 +134,7 @@ def _tensors(spec: SyntheticSpec,
     # scaled up so that logits spread widely and greedy choices are far from ties
     # (LFM2's small: its lm_head is its embedding and no post-norm scales its layers' outputs up, so a large one
     # would outweigh them in the residual stream and every step would repeat its input token)
-    embd = 0.25 if spec.arch == "lfm2" else 1.0
+    embd = 0.25 if spec.arch in _LFM2_ARCHS else 1.0
     yield "token_embd.weight", (spec.n_vocab, e), lambda: (embd * rng.standard_normal((spec.n_vocab, e))).astype(
         np.float32)
     a = spec.arch
@@ -145,8 +146,8 @@ def _tensors(spec: SyntheticSpec,
         if a in QWEN35_ARCHS:
             yield from _qwen35_layer(spec, il, mat, norm, bias, experts)
             continue
-        if a == "lfm2":
-            yield from _lfm2_layer(spec, il, mat, norm)
+        if a in _LFM2_ARCHS:
+            yield from _lfm2_layer(spec, il, mat, norm, bias, experts)
             continue
         if a == "deepseek2":
             yield from _deepseek2_layer(spec, il, mat, norm, bias, experts)
@@ -190,8 +191,8 @@ def _tensors(spec: SyntheticSpec,
             yield p + "nextn.eh_proj.weight", (e, 2 * e), mat(e, 2 * e)
             for name in ("nextn.enorm.weight", "nextn.hnorm.weight", "nextn.shared_head_norm.weight"):
                 yield p + name, (e,), norm(e)
-    yield ("token_embd_norm.weight" if a == "lfm2" else "output_norm.weight"), (e,), norm(e)  # lfm2's own name
-    if a not in ("gemma2", "gemma4", "lfm2"):  # their lm_head is their token embedding
+    yield ("token_embd_norm.weight" if a in _LFM2_ARCHS else "output_norm.weight"), (e,), norm(e)  # lfm2's name
+    if a not in ("gemma2", "gemma4", *_LFM2_ARCHS):  # their lm_head is their token embedding
         yield "output.weight", (spec.n_vocab, e), mat(spec.n_vocab, e, 4.0)
 
 
@@ -220,10 +221,12 @@ def lfm2_attention(il: int) -> bool:
 _LFM2_CONV = 3  # the short convolution's kernel (shortconv.l_cache)
 
 
-def _lfm2_layer(spec: SyntheticSpec, il: int, mat: Callable[..., Maker],
-                norm: Callable[..., Maker]) -> Iterator[tuple[str, tuple[int, ...], Maker]]:
+def _lfm2_layer(spec: SyntheticSpec, il: int, mat: Callable[..., Maker], norm: Callable[..., Maker],
+                bias: Callable[..., Maker],
+                experts: Callable[[int, int, int], Maker]) -> Iterator[tuple[str, tuple[int, ...], Maker]]:
     """An LFM2 block (llama.cpp's models/lfm2.cpp): a gated short convolution (its last inputs are the layer's
-    recurrent state) or attention with Q/K norms and no KV head in the others; then a dense FFN."""
+    recurrent state) or attention with Q/K norms and no KV head in the others; then a dense FFN, or in LFM2-MoE
+    (lfm2moe) past its dense leading layers, routed experts (sigmoid routing with a selection bias)."""
     e, p, hd = spec.n_embd, f"blk.{il}.", spec.n_embd // spec.n_head
     yield p + "attn_norm.weight", (e,), norm(e)
     if lfm2_attention(il):
@@ -239,7 +242,10 @@ def _lfm2_layer(spec: SyntheticSpec, il: int, mat: Callable[..., Maker],
         yield p + "shortconv.in_proj.weight", (3 * e, e), mat(3 * e, e)
         yield p + "shortconv.out_proj.weight", (e, e), mat(e, e)
     yield p + "ffn_norm.weight", (e,), norm(e)
-    yield from _dense_ffn(spec, p, mat)
+    if spec.arch == "lfm2moe" and il >= spec.n_dense_lead:
+        yield from _moe_ffn(spec, p, mat, experts, bias)
+    else:
+        yield from _dense_ffn(spec, p, mat)
 
 
 def qwen35_recurrent(il: int) -> bool:
@@ -377,7 +383,7 @@ def _moe_ffn(spec: SyntheticSpec, p: str, mat: Callable[..., Maker], experts: Ca
     yield p + "ffn_gate_inp.weight", (x, e), lambda: router() * gain
     if spec.arch == "gpt-oss":
         yield p + "ffn_gate_inp.bias", (x,), bias(x)
-    if spec.arch == "glm4moe" or (spec.arch == "deepseek2" and spec.expert_groups):
+    if spec.arch in ("glm4moe", "lfm2moe") or (spec.arch == "deepseek2" and spec.expert_groups):
         yield p + "exp_probs_b.bias", (x,), bias(x)  # the routing bias of DeepSeek-V3's auxiliary-loss-free balancing
     yield p + "ffn_gate_exps.weight", (x, f, e), experts(x, f, e)
     yield p + "ffn_up_exps.weight", (x, f, e), experts(x, f, e)
@@ -434,9 +440,9 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
         w.add_q_lora_rank(spec.q_lora_rank)
         w.add_kv_lora_rank(spec.kv_lora_rank)
         w.add_rope_dimension_count(spec.mla_rope)
-    elif spec.arch == "lfm2":  # no KV head where a layer is a convolution: that is how llama.cpp tells them apart
+    elif spec.arch in _LFM2_ARCHS:  # no KV head where a layer is a convolution: how llama.cpp tells them apart
         w.add_head_count_kv([spec.n_head_kv if lfm2_attention(il) else 0 for il in range(spec.n_layer)])
-        w.add_uint32("lfm2.shortconv.l_cache", _LFM2_CONV)
+        w.add_uint32(f"{spec.arch}.shortconv.l_cache", _LFM2_CONV)
     else:
         w.add_head_count_kv(spec.n_head_kv)
         w.add_key_length(hd)
@@ -462,6 +468,10 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
         w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
         w.add_nextn_predict_layers(spec.n_nextn)
         w.add_rope_dimension_count(hd // 2)
+    if spec.arch == "lfm2moe":  # LFM2-8B-A1B: dense leading layers, sigmoid routing with a bias, normalised weights
+        w.add_leading_dense_block_count(spec.n_dense_lead)
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(1.0)
     if spec.arch == "deepseek2":  # V3: sigmoid routing with a selection bias within groups; V2-Lite: softmax
         w.add_expert_shared_count(spec.n_expert_shared)
         w.add_leading_dense_block_count(spec.n_dense_lead)
