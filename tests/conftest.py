@@ -21,6 +21,7 @@ SYNTHETIC = [
     ("qwen3moe", 7, "Q4_K_M"),  # mixture of experts: 8 experts, 2 a token
     ("qwen35", 7, "Q8_0"),  # gated delta-net (recurrent) layers with full attention every third, M-RoPE
     ("qwen35moe", 7, "Q4_K_M"),  # the same with routed experts beside a gated shared one
+    ("qwen3next", 7, "Q4_K_M"),  # their predecessor (Qwen3-Next-80B-A3B): plain rope, beta and alpha fused
     ("gpt-oss", 7, "MXFP4_MOE"),  # MXFP4 experts with biases, attention sinks, sliding window on alternate layers
     ("glm4moe", 7, "Q4_K_M"),  # a dense first layer, a shared expert, sigmoid routing, a NextN layer after the trunk
     ("mistral3", 7, "Q8_0"),
@@ -62,7 +63,7 @@ COMPUTE_BOUND = {
 # head (test_windows_match_llama: a window from layer 0, one past it and the output-only window, which is all the
 # window code a graph has), its streamed windows (test_exact_windows) and one device's windows on one context.
 SPLITS_IN_SLOW_RUNG = {"gpt-oss", "glm4moe", "gemma2", "olmo2", "phi3", "qwen35moe", "gemma4", "llama4", "lfm2",
-                       "deepseek2", "deepseek2-lite", "lfm2moe"}
+                       "deepseek2", "deepseek2-lite", "lfm2moe", "qwen3next"}
 FAST_SPLIT = "output-on-head"
 
 

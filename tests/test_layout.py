@@ -50,6 +50,8 @@ def test_hybrid_and_gemma4_layouts(model_dir) -> None:
     state = 4 * ((_DELTA_CONV - 1) * (value + 2 * _DELTA_K_HEADS * _DELTA_HEAD) + _DELTA_HEAD * value)
     assert q.recurrent_state_bytes == state and q.cache_bytes(0, 100, n_seq=2) == 2 * state
     assert q.cache_bytes(2, 100) == 100 * q.kv_bytes_per_token(2)
+    nxt = read_layout(synthetic_path(model_dir, "qwen3next", 7, "Q4_K_M"))  # the same layers with plain rope
+    assert nxt.recurrent_layers == q.recurrent_layers and nxt.positions_per_row == 1 and nxt.supports_windows
     g = read_layout(synthetic_path(model_dir, "gemma4", 7, "Q4_K_M"))
     assert g.swa_layers == (True, True, False, True, True, False, True) and not g.has_recurrent_layers
     assert g.head_dims(0) == (64, 64) and g.head_dims(2) == (128, 128)

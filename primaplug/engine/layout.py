@@ -31,12 +31,13 @@ from primaplug.core.windows import LayerRange
 # llama_window_supported_archs() in the engine (a test checks it).
 SUPPORTED_ARCHS = ("llama", "llama4", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "gpt-oss", "glm4moe",
                    "mistral3", "granite", "gemma3", "gemma2", "gemma4", "olmo2", "phi3", "lfm2", "deepseek2",
-                   "lfm2moe")
+                   "lfm2moe", "qwen3next")
 # Architectures with recurrent layers (gated delta-net) beside attention, each layer marked in the file or full
-# attention every `full_attention_interval`-th layer (llama.cpp's default for them: 4); they rotate positions with
-# M-RoPE, which takes four positions per hidden-state row. LFM2's recurrent layers are short convolutions, the
+# attention every `full_attention_interval`-th layer (llama.cpp's default for them: 4); Qwen 3.5 rotates positions
+# with M-RoPE, which takes four positions per hidden-state row. LFM2's recurrent layers are short convolutions, the
 # layers with no KV head.
-_HYBRID_ARCHS = ("qwen35", "qwen35moe")
+_HYBRID_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
+_MROPE_ARCHS = ("qwen35", "qwen35moe")  # Qwen3-Next rotates with plain rope
 
 # ggml types that llama.cpp's CPU backend can repack for faster kernels (ggml-cpu/repack.cpp; engine/repacked.py)
 REPACKABLE = frozenset({"Q1_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q8_0", "IQ4_NL", "MXFP4"})
@@ -508,7 +509,8 @@ def _recurrence(arch: str, kv: dict[str, Any], n_layer: int) -> dict[str, Any]:
     d_state, n_group = int(kv.get(f"{arch}.ssm.state_size") or 0), int(kv.get(f"{arch}.ssm.group_count") or 0)
     conv = max(0, d_conv - 1) * (d_inner + 2 * n_group * d_state)
     state = d_state * d_inner
-    return {"recurrent_layers": recurrent, "positions_per_row": 4, "recurrent_state_bytes": 4 * (conv + state)}
+    return {"recurrent_layers": recurrent, "positions_per_row": 4 if arch in _MROPE_ARCHS else 1,
+            "recurrent_state_bytes": 4 * (conv + state)}
 
 
 def _unsupported_reason(arch: str, kv: dict[str, Any], n_layer: int) -> str | None:

@@ -23,8 +23,9 @@ from primaplug.core.errors import EngineError, ModelFormatError
 FTYPES = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K_M": 15, "Q4_K_S": 14, "Q5_K_M": 17, "Q6_K": 18, "MXFP4_MOE": 38}
 # each written with its real tensor names, shapes and hyper-parameters (llama.cpp's src/models/<arch>.cpp)
 ARCHS = ("llama", "llama4", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "gpt-oss", "glm4moe", "mistral3",
-         "granite", "gemma2", "gemma4", "olmo2", "phi3", "lfm2", "lfm2moe", "deepseek2")
-MOE_ARCHS = ("llama4", "qwen3moe", "qwen35moe", "gpt-oss", "glm4moe", "gemma4", "lfm2moe", "deepseek2")
+         "granite", "gemma2", "gemma4", "olmo2", "phi3", "lfm2", "lfm2moe", "deepseek2",
+         "qwen3next")
+MOE_ARCHS = ("llama4", "qwen3moe", "qwen35moe", "gpt-oss", "glm4moe", "gemma4", "lfm2moe", "deepseek2", "qwen3next")
 _LFM2_ARCHS = ("lfm2", "lfm2moe")
 # named shapes of an architecture that differ in which tensors they have: DeepSeek-V2-Lite's queries come from one
 # projection (no q LoRA) and it routes by softmax over all experts, where V3 and R1 (deepseek2) route by sigmoid with a
@@ -32,8 +33,9 @@ _LFM2_ARCHS = ("lfm2", "lfm2moe")
 VARIANTS = {"deepseek2-lite": {"arch": "deepseek2", "q_lora_rank": 0, "expert_groups": 0}}
 SYNTH_NAMES = ARCHS + tuple(VARIANTS)
 # gated delta-net layers (recurrent state) with full attention every QWEN35_ATTENTION_INTERVAL-th layer (the real
-# models: every 4th; here every 3rd, so that 7 layers hold two attention layers)
-QWEN35_ARCHS = ("qwen35", "qwen35moe")
+# models: every 4th; here every 3rd, so that 7 layers hold two attention layers); Qwen3-Next is their predecessor,
+# with plain rope where Qwen 3.5 has M-RoPE
+QWEN35_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 QWEN35_ATTENTION_INTERVAL = 3
 _QKV_BIAS = ("qwen2", "gpt-oss", "glm4moe")
 _POST_ATTN_NORM = ("gemma2", "olmo2", "gpt-oss", "glm4moe")  # the last two: it is also the FFN's input norm
@@ -263,7 +265,8 @@ def _qwen35_layer(spec: SyntheticSpec, il: int, mat: Callable[..., Maker], norm:
                   experts: Callable[[int, int, int], Maker]) -> Iterator[tuple[str, tuple[int, ...], Maker]]:
     """A Qwen 3.5 block (llama.cpp's models/qwen35.cpp, qwen35moe.cpp): a gated delta-net layer (a fused QKV that a
     causal convolution mixes, a gate, the decay's alpha and beta, the state's norm) or full attention whose query
-    projection also makes an output gate; then a dense FFN (qwen35) or routed experts beside a gated shared expert."""
+    projection also makes an output gate; then a dense FFN (qwen35) or routed experts beside a gated shared expert.
+    Qwen3-Next (qwen3next, models/qwen3next.cpp) is the same block with beta and alpha in one projection."""
     e, p, hd = spec.n_embd, f"blk.{il}.", spec.n_embd // spec.n_head
     yield p + "attn_norm.weight", (e,), norm(e)
     if qwen35_recurrent(il):
@@ -274,8 +277,11 @@ def _qwen35_layer(spec: SyntheticSpec, il: int, mat: Callable[..., Maker], norm:
         yield p + "ssm_conv1d.weight", (conv, _DELTA_CONV), mat(conv, _DELTA_CONV)
         yield p + "ssm_dt.bias", (_DELTA_V_HEADS,), bias(_DELTA_V_HEADS)
         yield p + "ssm_a", (_DELTA_V_HEADS,), lambda: -np.linspace(0.2, 1.0, _DELTA_V_HEADS, dtype=np.float32)
-        yield p + "ssm_beta.weight", (_DELTA_V_HEADS, e), mat(_DELTA_V_HEADS, e)
-        yield p + "ssm_alpha.weight", (_DELTA_V_HEADS, e), mat(_DELTA_V_HEADS, e)
+        if spec.arch == "qwen3next":  # beta and alpha in one projection
+            yield p + "ssm_ba.weight", (2 * _DELTA_V_HEADS, e), mat(2 * _DELTA_V_HEADS, e)
+        else:
+            yield p + "ssm_beta.weight", (_DELTA_V_HEADS, e), mat(_DELTA_V_HEADS, e)
+            yield p + "ssm_alpha.weight", (_DELTA_V_HEADS, e), mat(_DELTA_V_HEADS, e)
         yield p + "ssm_norm.weight", (_DELTA_HEAD,), norm(_DELTA_HEAD)
         yield p + "ssm_out.weight", (e, value), mat(e, value)
     else:
@@ -483,17 +489,18 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
             w.add_expert_group_used_count(spec.expert_groups_used)
     if spec.arch in _SLIDING:
         w.add_sliding_window(spec.sliding_window)
-    if spec.arch in QWEN35_ARCHS:  # partial M-RoPE (a quarter of each head, as the real models), the delta-net
+    if spec.arch in QWEN35_ARCHS:  # partial (M-)RoPE (a quarter of each head, as the real models), the delta-net
         half = hd // 8  # rotated pairs, split over M-RoPE's time, height and width sections
         w.add_rope_dimension_count(2 * half)
-        w.add_rope_dimension_sections([3 * half // 8, 3 * half // 8, half - 2 * (3 * half // 8), 0])
+        if spec.arch != "qwen3next":
+            w.add_rope_dimension_sections([3 * half // 8, 3 * half // 8, half - 2 * (3 * half // 8), 0])
         w.add_full_attention_interval(QWEN35_ATTENTION_INTERVAL)
         w.add_ssm_conv_kernel(_DELTA_CONV)
         w.add_ssm_inner_size(_DELTA_V_HEADS * _DELTA_HEAD)
         w.add_ssm_state_size(_DELTA_HEAD)
         w.add_ssm_time_step_rank(_DELTA_V_HEADS)
         w.add_ssm_group_count(_DELTA_K_HEADS)
-    if spec.arch == "qwen35moe":
+    if spec.arch in ("qwen35moe", "qwen3next"):
         w.add_expert_shared_feed_forward_length(spec.n_ff_exp)
     if spec.arch == "llama4":  # experts every second layer beside a shared one, sigmoid routing; chunked attention
         w.add_uint32("llama4.interleave_moe_layer_step", 2)
