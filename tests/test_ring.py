@@ -37,7 +37,8 @@ def models(model_dir: Path, gemma_path: Path) -> dict[str, Path]:
             "lfm2_7": synthetic_path(model_dir, "lfm2", 7, "Q8_0"),
             "deepseek2_7": synthetic_path(model_dir, "deepseek2", 7, "Q4_K_M"),
             "lfm2moe_7": synthetic_path(model_dir, "lfm2moe", 7, "Q4_K_M"),
-            "qwen3next_7": synthetic_path(model_dir, "qwen3next", 7, "Q4_K_M")}
+            "qwen3next_7": synthetic_path(model_dir, "qwen3next", 7, "Q4_K_M"),
+            "minimax_m2_7": synthetic_path(model_dir, "minimax-m2", 7, "Q4_K_M")}
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +90,7 @@ CASES = [  # model, layers per round (node, node, node[, head]) or None for an e
     ("deepseek2_7", (1, 2, 3, 1), 1),  # latent attention: the dense first layer alone, a MoE layer on the head
     ("lfm2moe_7", (2, 2, 2, 1), 1),  # convolutions and experts; the head holding a convolution
     ("qwen3next_7", (1, 2, 3, 1), 1),  # a node holding one delta-net layer alone
+    ("minimax_m2_7", (3, 1, 2, 1), 1),
 ]
 
 

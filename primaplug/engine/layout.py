@@ -31,7 +31,7 @@ from primaplug.core.windows import LayerRange
 # llama_window_supported_archs() in the engine (a test checks it).
 SUPPORTED_ARCHS = ("llama", "llama4", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "gpt-oss", "glm4moe",
                    "mistral3", "granite", "gemma3", "gemma2", "gemma4", "olmo2", "phi3", "lfm2", "deepseek2",
-                   "lfm2moe", "qwen3next")
+                   "lfm2moe", "qwen3next", "minimax-m2")
 # Architectures with recurrent layers (gated delta-net) beside attention, each layer marked in the file or full
 # attention every `full_attention_interval`-th layer (llama.cpp's default for them: 4); Qwen 3.5 rotates positions
 # with M-RoPE, which takes four positions per hidden-state row. LFM2's recurrent layers are short convolutions, the

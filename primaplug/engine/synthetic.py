@@ -24,8 +24,9 @@ FTYPES = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K_M": 15, "Q4_K_S": 14, "Q5_K_M": 1
 # each written with its real tensor names, shapes and hyper-parameters (llama.cpp's src/models/<arch>.cpp)
 ARCHS = ("llama", "llama4", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "gpt-oss", "glm4moe", "mistral3",
          "granite", "gemma2", "gemma4", "olmo2", "phi3", "lfm2", "lfm2moe", "deepseek2",
-         "qwen3next")
-MOE_ARCHS = ("llama4", "qwen3moe", "qwen35moe", "gpt-oss", "glm4moe", "gemma4", "lfm2moe", "deepseek2", "qwen3next")
+         "qwen3next", "minimax-m2")
+MOE_ARCHS = ("llama4", "qwen3moe", "qwen35moe", "gpt-oss", "glm4moe", "gemma4", "lfm2moe", "deepseek2", "qwen3next",
+             "minimax-m2")
 _LFM2_ARCHS = ("lfm2", "lfm2moe")
 # named shapes of an architecture that differ in which tensors they have: DeepSeek-V2-Lite's queries come from one
 # projection (no q LoRA) and it routes by softmax over all experts, where V3 and R1 (deepseek2) route by sigmoid with a
@@ -168,7 +169,7 @@ def _tensors(spec: SyntheticSpec,
         if a in ("qwen3", "qwen3moe"):
             yield p + "attn_q_norm.weight", (hd,), norm(hd)
             yield p + "attn_k_norm.weight", (hd,), norm(hd)
-        if a == "olmo2":  # over all heads at once
+        if a in ("olmo2", "minimax-m2"):  # over all heads at once
             yield p + "attn_q_norm.weight", (q_dim,), norm(q_dim)
             yield p + "attn_k_norm.weight", (kv_dim,), norm(kv_dim)
         yield p + "attn_output.weight", (e, q_dim), mat(e, q_dim, spec.out_scale(il))
@@ -389,7 +390,7 @@ def _moe_ffn(spec: SyntheticSpec, p: str, mat: Callable[..., Maker], experts: Ca
     yield p + "ffn_gate_inp.weight", (x, e), lambda: router() * gain
     if spec.arch == "gpt-oss":
         yield p + "ffn_gate_inp.bias", (x,), bias(x)
-    if spec.arch in ("glm4moe", "lfm2moe") or (spec.arch == "deepseek2" and spec.expert_groups):
+    if spec.arch in ("glm4moe", "lfm2moe", "minimax-m2") or (spec.arch == "deepseek2" and spec.expert_groups):
         yield p + "exp_probs_b.bias", (x,), bias(x)  # the routing bias of DeepSeek-V3's auxiliary-loss-free balancing
     yield p + "ffn_gate_exps.weight", (x, f, e), experts(x, f, e)
     yield p + "ffn_up_exps.weight", (x, f, e), experts(x, f, e)
@@ -424,7 +425,8 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
     w.add_block_count(spec.n_blocks)
     w.add_context_length(spec.n_ctx_train)
     w.add_embedding_length(e)
-    w.add_feed_forward_length(spec.n_ff)
+    # MiniMax-M2's experts take their width from feed_forward_length (it has no dense FFN)
+    w.add_feed_forward_length(spec.n_ff_exp if spec.arch == "minimax-m2" else spec.n_ff)
     w.add_head_count(spec.n_head)
     if spec.arch == "gemma4":  # sliding layers, then global ones with wider heads and one KV head (_gemma4_layer)
         w.add_head_count_kv([spec.n_head_kv if gemma4_sliding(il) else 1 for il in range(spec.n_layer)])
@@ -473,6 +475,10 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
         w.add_expert_weights_norm(True)
         w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
         w.add_nextn_predict_layers(spec.n_nextn)
+        w.add_rope_dimension_count(hd // 2)
+    if spec.arch == "minimax-m2":  # MiniMax-M2: experts in every layer, sigmoid routing with a bias, half-rotary heads
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(1.0)
         w.add_rope_dimension_count(hd // 2)
     if spec.arch == "lfm2moe":  # LFM2-8B-A1B: dense leading layers, sigmoid routing with a bias, normalised weights
         w.add_leading_dense_block_count(spec.n_dense_lead)
