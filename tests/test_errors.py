@@ -17,9 +17,13 @@ def test_python_and_native_agree_on_supported_architectures() -> None:
     assert set(_native.supported_archs()) == set(SUPPORTED_ARCHS)
 
 
-def test_unsupported_architecture_is_named(tmp_path) -> None:
-    path = tmp_path / "gpt2.gguf"
-    w = GGUFWriter(str(path), "gpt2")
+@pytest.mark.parametrize(("arch", "why"), [("gpt2", None), ("deepseek32", "lightning indexer"),
+                                           ("deepseek4", "hyper-connections"), ("kimi-linear", "delta attention")])
+def test_unsupported_architecture_is_named(tmp_path, arch: str, why: str | None) -> None:
+    """Refused before anything loads, naming the architecture, why where the engine's llama.cpp runs it but windows
+    do not split it yet, and what windows cover."""
+    path = tmp_path / f"{arch}.gguf"
+    w = GGUFWriter(str(path), arch)
     w.add_block_count(2)
     w.add_embedding_length(64)
     w.add_head_count(4)
@@ -32,7 +36,8 @@ def test_unsupported_architecture_is_named(tmp_path) -> None:
     with pytest.raises(UnsupportedArchitectureError) as e:
         Model(path, [(0, 2)])
     msg = str(e.value)
-    assert "'gpt2'" in msg and all(a in msg for a in SUPPORTED_ARCHS)
+    assert f"'{arch}'" in msg and all(a in msg for a in SUPPORTED_ARCHS)
+    assert (why in msg and "plain llama-cpp-python" in msg) if why else "layer windows;" in msg
 
 
 def test_not_a_gguf_file(tmp_path) -> None:

@@ -23,10 +23,12 @@ class UnsupportedArchitectureError(PrimaplugError):
         self.arch = arch
         self.supported = supported
         self.reason = reason
-        super().__init__(
-            f"this '{arch}' model cannot run in layer windows: {reason}" if reason else
-            f"architecture '{arch}' cannot run in layer windows; supported architectures: {', '.join(supported)}"
-        )
+        if reason and arch in supported:
+            text = f"this '{arch}' model cannot run in layer windows: {reason}"
+        else:  # an architecture windows do not cover: why, where known, and what they cover
+            text = (f"architecture '{arch}' cannot run in layer windows{': ' + reason if reason else ''}; supported "
+                    f"architectures: {', '.join(supported)}")
+        super().__init__(text)
 
 
 class RecurrentRewindError(PrimaplugError):

@@ -513,8 +513,24 @@ def _recurrence(arch: str, kv: dict[str, Any], n_layer: int) -> dict[str, Any]:
             "recurrent_state_bytes": 4 * (conv + state)}
 
 
+# architectures the engine's llama.cpp runs but windows do not split yet, and what they would need (docs/engine.md)
+NOT_YET = {
+    "deepseek32": "its sparse attention keeps a second cache beside the latent one (the lightning indexer's keys, "
+                  "llama.cpp's llama_kv_cache_dsa), which windows do not split by layer yet",
+    "glm-dsa": "its sparse attention keeps a second cache beside the latent one (the lightning indexer's keys, "
+               "llama.cpp's llama_kv_cache_dsa), which windows do not split by layer yet",
+    "deepseek4": "its hyper-connections carry a hidden state several times n_embd wide from layer to layer, wider than "
+                 "the ring's messages, which carry n_embd values a row",
+    "kimi-linear": "its Kimi delta attention layers (a recurrent state of their own kind) beside latent attention are "
+                   "not split into windows yet",
+}
+
+
 def _unsupported_reason(arch: str, kv: dict[str, Any], n_layer: int) -> str | None:
-    """What keeps a model of a supported architecture out of windows (llama_model_supports_windows in the engine)."""
+    """What keeps a model out of windows: an architecture of NOT_YET, or a model of a supported architecture that
+    the engine refuses (llama_model_supports_windows)."""
+    if arch in NOT_YET:
+        return NOT_YET[arch] + "; run it with plain llama-cpp-python"
     if arch == "gemma4":
         if int(kv.get("gemma4.embedding_length_per_layer_input") or 0):
             return ("its per-layer token embeddings (Gemma 4 E2B and E4B) are computed from the tokens for every layer "
