@@ -99,7 +99,7 @@ def test_local_nodes_plan_deploy_chat_equals_plain_and_quit_stops_them(gemma_pat
         for pid in pids:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
-        assert app.reply == plain_reply(gemma_path, coordinator.chat_format, 24)
+        assert app.reply == plain_reply(gemma_path, "gemma", 24)  # the format chosen from its tokenizer
         saved = Remembered.load()
         assert saved.local_nodes == 2 and saved.nodes == [] and saved.scheduler == "even"
 

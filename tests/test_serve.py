@@ -46,8 +46,10 @@ def nodes(gemma_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 def llm(gemma_path: Path, nodes: Any) -> Iterator[Any]:
     import primaplug
 
+    # no chat_format: the bundled Gemma carries no template, and its tokenizer's turn markers choose gemma's
     ring = primaplug.Llama(gemma_path, nodes=nodes.addresses, scheduler="even", node_threads=1, n_parallel=PARALLEL,
-                           chat_format="gemma", **SERVE_KWARGS)
+                           **SERVE_KWARGS)
+    assert ring.chat_format == "gemma", ring.chat_format_reason
     try:
         yield ring
     finally:

@@ -395,6 +395,12 @@ class Model:
             n = _ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
         return buf.raw[:n]
 
+    def is_special(self, text: str) -> bool:
+        """Whether text is one special token of the vocabulary (it tokenizes to one token only when specials are
+        parsed)."""
+        special = self.tokenize(text, add_special=False, parse_special=True)
+        return len(special) == 1 and self.tokenize(text, add_special=False) != special
+
     def is_eog(self, token: int) -> bool:
         return bool(_ll.llama_vocab_is_eog(self._vocab, token))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -26,8 +27,11 @@ import numpy as np
 
 from primaplug.core.errors import PrimaplugError
 from primaplug.decoding import SamplingParams, accept_or_resample
+from primaplug.engine.chat_formats import choose_chat_format
 from primaplug.engine.model import ContextSettings, Model, Window
 from primaplug.engine.speculative import Speculation, target_probs
+
+log = logging.getLogger(__name__)
 
 
 class Session(Protocol):
@@ -140,6 +144,14 @@ class RingLlama(llama_cpp.Llama):
             raise PrimaplugError("give primaplug.Llama the draft (draft_model=...): it builds the speculation")
         self._head, self._session = head, session
         kwargs.setdefault("flash_attn", False)
+        if kwargs.get("chat_format") is None and kwargs.get("chat_handler") is None:
+            chosen, self.chat_format_reason = choose_chat_format(head.layout.arch, head.layout.has_chat_template,
+                                                                 head.is_special)
+            if chosen is not None:
+                kwargs["chat_format"] = chosen
+            log.info("chat format: %s (%s)", chosen or "the model's own template", self.chat_format_reason)
+        else:
+            self.chat_format_reason = "given" if kwargs.get("chat_format") else "a chat handler given"
         with _head_parts(head, session):
             super().__init__(head.path, **kwargs)
         self._out: Window = self._ctx.window  # type: ignore[attr-defined]

@@ -45,7 +45,6 @@ _RUN = RunSettings()
 PLANNERS = (*SCHEDULERS, "even", "manual")
 # llama-cpp-python's chat format for a model whose GGUF carries no chat template (its own fallback, llama-2, makes
 # these models end their reply at once)
-FALLBACK_CHAT_FORMATS = {"gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma"}
 
 
 @dataclass(frozen=True)
@@ -118,8 +117,7 @@ class Coordinator:
         self._draft_token_s: float | None = None  # measured when a plan is first made
         self.plan_settings = dataclasses.replace(self.plan_settings, head_reserved_bytes=draft_bytes(
             draft_model, n_ctx, n_batch, n_ubatch))
-        self.chat_format = chat_format or (None if self.layout.has_chat_template else
-                                           FALLBACK_CHAT_FORMATS.get(self.layout.arch))
+        self.chat_format = chat_format  # given; else the Llama chooses (engine/chat_formats.py) and it is noticed
         self.events = events or Events()
         self._owns_transport = transport is None
         self.transport = transport or ZmqTransport(load_keys(keys) if keys else None)
@@ -362,6 +360,8 @@ class Coordinator:
                 self._mark_failed(err)
                 raise
             self.llm.plan = plan  # the head alone is not deployed from the plan: keep it all the same
+            self.events.publish(Notice(f"chat format: {self.llm.chat_format or 'the model template'} "
+                                       f"({self.llm.chat_format_reason})"))
             return self.llm
 
     def undeploy(self) -> None:

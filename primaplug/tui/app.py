@@ -173,9 +173,10 @@ class DashboardApp(App[None]):
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         c = self.coordinator
         self.sub_title = c.path.name
-        self.run_pane.log("chat template: " + ("the model's own" if c.layout.has_chat_template and not c.chat_format
-                                               else f"llama-cpp-python's {c.chat_format!r}" if c.chat_format else
-                                               "llama-cpp-python's default (the model carries none)"))
+        self.run_pane.log("chat format: " + (f"{c.chat_format!r} (--chat-format)" if c.chat_format else
+                                             "the model's own template" if c.layout.has_chat_template else
+                                             "chosen from the tokenizer when the ring is deployed (the model carries "
+                                             "no template)"))
         if not self.blink:
             for i in self.query(Input):
                 i.cursor_blink = False
