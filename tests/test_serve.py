@@ -248,6 +248,41 @@ def test_errors_reach_the_client(server: ThreadedServer) -> None:
     assert "max_tokens" in answers[0].json()["error"]["message"], answers[0].text
 
 
+def test_structured_outputs_with_the_openai_clients_parse(server: ThreadedServer, llm: Any) -> None:
+    """OpenAI's Structured Outputs as today's clients send them (a Pydantic model through `beta...parse`): the
+    schema constrains the reply through the ring, and the client gets its object back; the same through the Python
+    API; a schema no grammar can express is a 400 that names the part."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Capital(BaseModel):
+        country: Literal["France", "Italy", "Spain"]
+        capital: Literal["Paris", "Rome", "Madrid"]
+        is_large: bool
+
+    client = openai_client(server.url)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    for strict in (True, False):
+        schema = Capital.model_json_schema() | {"additionalProperties": False}
+        r = client.chat.completions.create(model="gemma", messages=question, max_tokens=64, temperature=0.0,
+                                           response_format={"type": "json_schema", "json_schema": {
+                                               "name": "Capital", "schema": schema, "strict": strict}})
+        assert Capital.model_validate_json(r.choices[0].message.content), r.choices[0].message.content
+    parsed = client.beta.chat.completions.parse(model="gemma", messages=question, response_format=Capital,
+                                                max_tokens=64, temperature=0.0)
+    assert isinstance(parsed.choices[0].message.parsed, Capital), parsed.choices[0].message.content
+    direct = llm.create_chat_completion(question, max_tokens=64, temperature=0.0, response_format={
+        "type": "json_schema", "json_schema": {"name": "Capital", "schema": Capital.model_json_schema()}})
+    assert Capital.model_validate_json(direct["choices"][0]["message"]["content"])
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="gemma", messages=question, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "odd", "schema": {"not": {"type": "string"}}}})
+    body = refused.value.body
+    assert body["code"] == "invalid_json_schema" and body["param"] == "response_format", body  # type: ignore[index]
+    assert "Unrecognized schema: {'not'" in body["message"], body  # type: ignore[index]
+
+
 def _wait_for(condition: Any, seconds: float, what: str) -> None:
     deadline = time.monotonic() + seconds
     while not condition():

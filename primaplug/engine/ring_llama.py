@@ -30,6 +30,7 @@ from primaplug.decoding import SamplingParams, accept_or_resample
 from primaplug.engine.chat_formats import choose_chat_format
 from primaplug.engine.model import ContextSettings, Model, Window
 from primaplug.engine.speculative import Speculation, target_probs
+from primaplug.engine.structured import json_schema_format
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class Session(Protocol):
 
 _GENERATE = inspect.signature(llama_cpp.Llama.generate)
 _COMPLETION = inspect.signature(llama_cpp.Llama._create_completion)
+_CHAT = inspect.signature(llama_cpp.Llama.create_chat_completion)
 _building = threading.local()
 _swap_lock = threading.Lock()
 
@@ -195,6 +197,14 @@ class RingLlama(llama_cpp.Llama):
             yield from super()._create_completion(*args, **kwargs)
         finally:
             self._logits_all, self._logprob_rows = False, "all"
+
+    def create_chat_completion(self, *args: Any, **kwargs: Any) -> Any:
+        """llama_cpp.Llama.create_chat_completion, with OpenAI's Structured Outputs too (`response_format` of type
+        `json_schema`: engine/structured.py)."""
+        bound = _CHAT.bind(self, *args, **kwargs)
+        if "response_format" in bound.arguments:
+            bound.arguments["response_format"] = json_schema_format(bound.arguments["response_format"])
+        return super().create_chat_completion(*bound.args[1:], **bound.kwargs)
 
     def keep_logits(self) -> None:
         """From now on keep in self.scores the logits of the rows each trip returns anyway (the last one, and a
