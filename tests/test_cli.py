@@ -41,6 +41,36 @@ def test_run_reports_bad_split(model_dir) -> None:
     assert out.returncode == 2 and "rounds must divide the model's 9 layers, got 2" in out.stderr
 
 
+def test_a_model_no_window_runs_is_refused_before_any_local_node_starts(tmp_path) -> None:
+    from gguf import GGUFWriter
+
+    path = tmp_path / "kimi.gguf"
+    w = GGUFWriter(str(path), "kimi-linear")
+    w.add_block_count(2)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    w.add_tensor("token_embd.weight", np.zeros((16, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out = run_cli("run", "-m", str(path), "--local-nodes", "2", "-n", "2")
+    assert out.returncode == 2 and "started" not in out.stderr, out.stderr
+    assert "architecture 'kimi-linear' cannot run in layer windows: its Kimi delta attention" in out.stderr
+    assert "supported architectures: llama" in out.stderr
+
+
+def test_a_local_node_that_cannot_start_says_why_in_the_heads_error(tmp_path) -> None:
+    """Its own error line leads the head's message, before its exit status and log."""
+    from primaplug.core.errors import PrimaplugError
+    from primaplug.head.launch import LocalNodes
+
+    with pytest.raises(PrimaplugError) as failed, LocalNodes(tmp_path / "missing.gguf", 1, log_dir=tmp_path) as nodes:
+        nodes.start()
+    first = str(failed.value).splitlines()[0]
+    assert first.startswith("local node node1 did not start: model file ") and "does not exist (it exited" in first
+
+
 def test_verify_without_a_seed_replays_the_drawn_seed(model_dir) -> None:
     path = synthetic_path(model_dir, "llama", 7, "Q8_0")
     out = run_cli("run", "-m", str(path), "-p", "ab", "-n", "10", "--temp", "1.0", "-c", "128", "--verify")

@@ -307,6 +307,33 @@ def test_nodes_without_the_file_fetch_their_windows_and_give_plains_tokens(gemma
     assert text == want and again == want
 
 
+def test_a_node_given_only_its_address_fetches_into_primaplugs_cache(gemma_path: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`primaplug node` needs no model and no folder: it keeps what heads send in models/ of primaplug's cache,
+    within its disk's free space, and says so, with how to change either; the ring gives plain's tokens."""
+    import llama_cpp
+
+    import primaplug
+    from primaplug.head.launch import LocalNodes
+
+    monkeypatch.setenv("PRIMAPLUG_CACHE", str(tmp_path / "cache"))  # an empty cache, inherited by the node
+    prompt, kwargs = "The capital of France is", {"n_ctx": 256, "verbose": False}
+    with LocalNodes([None], 1, log_dir=tmp_path / "logs") as nodes:
+        llm = primaplug.Llama(str(gemma_path), nodes=nodes.addresses, layers=[9, 9], scheduler="even", **kwargs)
+        try:
+            text = llm(prompt, max_tokens=16, temperature=0)["choices"][0]["text"]
+        finally:
+            llm.close()
+        said = nodes.nodes[0].log()
+    folder = (tmp_path / "cache" / "models").resolve()
+    assert f"layers that heads send go to {folder} (--model-dir DIR)" in said, said
+    assert "GiB of its disk (--disk-budget MiB)" in said and "loopback only" in said
+    (copy,) = folder.glob("*.gguf")
+    assert 0 < copy.stat().st_blocks * 512 < read_layout(gemma_path).file_size
+    plain = llama_cpp.Llama(str(gemma_path), **kwargs)
+    assert text == plain(prompt, max_tokens=16, temperature=0)["choices"][0]["text"]
+
+
 def test_the_plan_adds_the_slowest_fetch_to_the_first_token() -> None:
     from primaplug.scheduler import Fetch
     from primaplug.scheduler.plan import describe_fetches

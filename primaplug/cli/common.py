@@ -158,8 +158,10 @@ def node_addresses(args: argparse.Namespace, path: Path) -> Iterator[list[str]]:
     if not args.local_nodes:
         yield list(args.nodes or [])
         return
+    from primaplug.engine import read_layout
     from primaplug.head.launch import LocalNodes
 
+    read_layout(path).check_supported()  # a model no window can run: say so before any node starts
     logs = tempfile.mkdtemp(prefix="primaplug-nodes-")
     keep = False  # the logs stay where a node died or did not start, for the message that names them
     # --local-fetch: a model folder each, and no file; always removed (the copies may be large)

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,9 @@ DESCRIPTION = f"""\
 Run a node: it holds windows of the models given with -m and serves them to whichever head deploys an assignment.
 With --model-dir instead (or as well), it needs no model file: a head whose model it lacks sends it the header and
 exactly its windows' layers, each piece checked against the head's hashes, into a sparse copy in that folder
-(docs/distribute.md). A model in several files is named by any of its parts, and merged once.
+(docs/distribute.md). With neither, that folder is `models` in primaplug's cache ({{cache}}), so
+`primaplug node` alone serves whatever a head deploys. A model in several files is named by any of its parts, and
+merged once.
 
 The node listens for the head on HOST:PORT (control) and for the ring on PORT+1. --listen HOST:0 picks any free
 ports instead (both are printed in the node's "ready" line, which `run --local-nodes` reads). A head may give a node
@@ -27,15 +30,23 @@ Off loopback (any address but 127.0.0.1) the node needs --keys: every connection
 authenticated with CurveZMQ. Default: 127.0.0.1:{DEFAULT_PORT}."""
 
 
+def default_model_dir() -> Path:
+    """Where a node started without -m or --model-dir keeps the layers heads send it."""
+    from primaplug.core.settings import cache_root
+
+    return cache_root() / "models"
+
+
 def add_parser(sub: Any) -> None:
     node = sub.add_parser("node", help="run a node daemon that serves windows of a model to a ring",
-                          description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+                          description=DESCRIPTION.format(cache="$PRIMAPLUG_CACHE, else ~/.cache/primaplug"),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     node.add_argument("-m", "--model", action="append", default=[],
                       help="GGUF file this node may load (repeat for several); no other file is ever opened")
     node.add_argument("--model-dir", metavar="DIR",
                       help="folder where the node keeps the parts of models it fetches from the cluster: a head whose "
                       "model it lacks sends it exactly its windows' layers, checked piece by piece "
-                      "(docs/distribute.md)")
+                      "(docs/distribute.md; default without -m: models/ in primaplug's cache)")
     node.add_argument("--disk-budget", type=int, metavar="MiB",
                       help="what the model folder's copies may take on disk; layers no longer run go oldest first "
                       "(default: the disk's free space at start, less 1 GiB)")
@@ -114,6 +125,8 @@ def main(args: argparse.Namespace) -> int:
     from primaplug.cli.common import resolve
 
     args.model = [str(resolve(m)) for m in args.model]  # a model in several files is merged once (store/hub.py)
+    if not args.model and not args.model_dir:  # `primaplug node` alone: fetch whatever a head deploys
+        args.model_dir = str(default_model_dir())
     settings = NodeSettings(models=tuple(Path(m) for m in args.model), host=host, port=port,
                             name=args.name or platform.node(), secure=keys is not None, memory=memory,
                             profile_dir=Path(args.profile_dir) if args.profile_dir else None,
@@ -128,6 +141,11 @@ def main(args: argparse.Namespace) -> int:
             signal.signal(sig, _on_signal(node))
         ring = node.ring.address
         ctl_host, _, ctl_port = node.control.address.rpartition(":")
+        if node.store is not None:  # on stderr: stdout's one line is "ready" (`run --local-nodes` reads it)
+            print(f"primaplug node {node.name}: layers that heads send go to {node.store.folder} (--model-dir DIR), "
+                  f"within {node.store.budget_bytes / 2**30:.1f} GiB of its disk (--disk-budget MiB); listening on "
+                  f"{ctl_host}:{ctl_port}" + (" (loopback only: --listen HOST:PORT with --keys for other devices)"
+                                              if keys is None else ""), file=sys.stderr, flush=True)
         with WakeLock(args.wake_lock):  # before "ready": a required lock that fails stops the node first
             print(f"primaplug node {node.name} ready: control {ctl_host}:{ctl_port} ring {ring}", flush=True)
             advertiser = _advertise(args, node.name, host, int(ctl_port), ring, keys) if args.advertise else None

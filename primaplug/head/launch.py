@@ -35,6 +35,16 @@ class LocalNode:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
+
+def _reason(log: str) -> str:
+    """A node's own account of why it stopped: its error line (argparse's and primaplug's `primaplug: error: ...`),
+    else the last line of a traceback, else nothing."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if line.startswith("primaplug: error:"):
+            return line.removeprefix("primaplug: error:").strip()
+    return lines[-1] if lines and "Error" in lines[-1] else ""
+
 class LocalNodes:
     """N node processes on loopback; `with LocalNodes(...) as nodes:` stops and reaps them all on exit.
 
@@ -113,7 +123,9 @@ class LocalNodes:
             tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
             code = proc.poll()
             how = exit_status(code) if code is not None else "did not say it was ready in time"
-            raise PrimaplugError(f"local node {name} did not start: it {how}; its log: {log_path}\n{tail}")
+            why = _reason(tail)
+            raise PrimaplugError(f"local node {name} did not start{': ' + why if why else ''} (it {how}; its log: "
+                                 f"{log_path})\n{tail}")
         host = m.group(2).removeprefix("tcp://").strip("[]")
         return LocalNode(proc, name, f"{host}:{m.group(3)}", m.group(4), log_path)
 

@@ -143,7 +143,7 @@ class Node:
         self.transport = transport
         self._kernels = cpu_kernels()  # what Welcome reports: the head compares them (mixed CPUs)
         self._models: dict[str, tuple[HeldFile, ModelLayout, ModelIdentity]] = {}
-        self._store: Store | None = None
+        self._store: Store | None = None  # the model folder (--model-dir), where fetched layers are kept
         try:
             if settings.model_dir is not None:
                 self._store = Store(settings.model_dir, settings.disk_budget_bytes)
@@ -239,6 +239,11 @@ class Node:
     @property
     def stopping(self) -> bool:
         return self._stop.is_set()
+
+    @property
+    def store(self) -> Store | None:
+        """The model folder that fetched layers go to, with its disk budget; None without --model-dir."""
+        return self._store
 
     def lingering(self) -> bool:
         """Whether the ring thread or a load still runs after serve() returned: the process must then end without
