@@ -67,13 +67,13 @@ def test_a_gpu_is_drawn_with_the_memory_the_scheduler_caps_it_by() -> None:
     gib = 1 << 30
     mac = msgspec.structs.replace(DEVICES[1], os="macos", backend="metal", unified_memory=True,
                                   metal_working_set_bytes=12 * gib, vram_free_bytes=0)
-    assert profile_cells(mac)[3] == f"metal {12 * gib / 1e9:.1f}"
+    assert profile_cells(mac)[0] == f"macos {mac.cpu_count}c metal"
     detail = profile_detail("mac", "", mac, None, "", "").plain
     assert f"Metal working set {12 * gib / 1e9:.1f} GB (memory shared with the CPU)" in detail and "VRAM" not in detail
     cuda = msgspec.structs.replace(DEVICES[1], backend="cuda", vram_free_bytes=6 * gib, metal_working_set_bytes=0)
-    assert profile_cells(cuda)[3] == f"cuda {6 * gib / 1e9:.1f}"
+    assert profile_cells(cuda)[0].endswith(" cuda")
     assert f"VRAM {6 * gib / 1e9:.1f} GB free" in profile_detail("box", "", cuda, None, "", "").plain
-    assert profile_cells(DEVICES[1])[3] == "-"  # the recorded devices have no GPU
+    assert profile_cells(DEVICES[1])[0] == f"linux {DEVICES[1].cpu_count}c"  # the recorded devices have no GPU
 
 
 def test_figures_compare_measured_with_predicted() -> None:

@@ -65,3 +65,50 @@ def test_light_theme(snap_compare: Callable[..., bool], gemma_path: Path) -> Non
         await pilot.pause(0.2)  # type: ignore[attr-defined]
 
     assert snap_compare(app, terminal_size=SIZES["small"], run_before=before)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 45)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_no_cell_of_any_pane_is_cut(gemma_path: Path, size: tuple[int, int]) -> None:
+    """Every table column is as wide as its widest cell and its header, the nodes table fits the terminal's width
+    without scrolling sideways, and no pane ends a value with an ellipsis."""
+    import asyncio
+    import dataclasses
+
+    from rich.text import Text
+    from textual.widgets import DataTable
+
+    from primaplug.tui.nodes import COLUMNS, NodesPane
+
+    def width(cell: object) -> int:
+        return cell.cell_len if isinstance(cell, Text) else Text.from_markup(str(cell)).cell_len
+
+    async def scenario() -> None:
+        for name, (request, show) in SCREENS.items():
+            app = recorded_app(gemma_path, request)
+            async with app.run_test(size=size) as pilot:
+                show(app)
+                await pilot.pause()
+                app.redraw()
+                await pilot.pause(0.2)
+                if name == "nodes":  # as in a real start: rows drawn before the profiles came, then updated in place
+                    nodes = app.query_one(NodesPane)
+                    rows = list(nodes._rows)
+                    table = nodes.query_one(DataTable)
+                    table.clear(columns=True)
+                    table.add_columns(*COLUMNS)
+                    nodes._rows = []
+                    nodes.show([dataclasses.replace(r, profile=None) for r in rows])
+                    await pilot.pause()
+                    nodes.show(rows)
+                    await pilot.pause(0.1)
+                for table in app.query(DataTable):
+                    if not table.display or not table.region.width:
+                        continue
+                    for col in table.ordered_columns:
+                        need = max([width(table.get_cell(r, col.key)) for r in table.rows] + [col.label.cell_len])
+                        shown = col.get_render_width(table) - 2 * table.cell_padding
+                        assert shown >= need, (name, size, str(col.label), shown, need)
+                    assert table.virtual_size.width <= table.region.width, (name, size, table.virtual_size)
+                assert "\u2026" not in app.export_screenshot(), (name, size)
+
+    asyncio.run(scenario())

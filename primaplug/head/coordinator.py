@@ -360,8 +360,9 @@ class Coordinator:
                 self._mark_failed(err)
                 raise
             self.llm.plan = plan  # the head alone is not deployed from the plan: keep it all the same
-            self.events.publish(Notice(f"chat format: {self.llm.chat_format or 'the model template'} "
-                                       f"({self.llm.chat_format_reason})"))
+            chosen = getattr(self.llm, "chat_format_reason", "")  # what the Llama chose (engine/chat_formats.py)
+            if chosen:
+                self.events.publish(Notice(f"chat format: {self.llm.chat_format} ({chosen})"))
             return self.llm
 
     def undeploy(self) -> None:

@@ -15,7 +15,9 @@ from primaplug.core.profiles import DeviceProfile
 from primaplug.head.events import NodeView
 from primaplug.tui.render import profile_cells, profile_detail, state_text
 
-COLUMNS = ("node", "address", "state", "OS", "RAM GB", "disk MB/s", "GPU GB", "GFLOP/s")
+# units in the headers, each column as wide as its content (update_width), narrow enough for 80 columns: a device's
+# GPU's backend is beside its OS, its memory in its detail below the table
+COLUMNS = ("node", "address", "state", "OS", "RAM GB", "disk MB/s", "GFLOP/s")
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class NodesPane(Vertical):
             for r, c, old in zip(rows, cells, [self._cells(o) for o in self._rows], strict=True):
                 for col, (new, was) in enumerate(zip(c, old, strict=True)):
                     if new != was:
-                        table.update_cell(r.key, table.ordered_columns[col].key, new)
+                        table.update_cell(r.key, table.ordered_columns[col].key, new, update_width=True)
         self._rows = list(rows)
         self._show_detail()
 

@@ -57,14 +57,14 @@ def gpu_memory_bytes(p: DeviceProfile) -> int:
     return p.metal_working_set_bytes if p.backend == "metal" else p.vram_free_bytes
 
 
-def profile_cells(p: DeviceProfile | None) -> tuple[str, str, str, str, str]:
-    """(OS and cores, RAM free/total GB, disk seq/random MB/s, GPU and its GB (free VRAM, Metal's working set), the
-    best CPU GFLOP/s) of a profile, for the nodes table."""
+def profile_cells(p: DeviceProfile | None) -> tuple[str, str, str, str]:
+    """(OS, cores and GPU backend, RAM free/total GB, disk seq/random MB/s, the best CPU GFLOP/s) of a profile, for
+    the nodes table; the GPU's memory is in the detail (profile_detail)."""
     if p is None:
-        return ("-", "-", "-", "-", "-")
-    gpu = f"{p.backend} {gpu_memory_bytes(p) / GB:.1f}" if p.backend != "cpu" else "-"
-    return (f"{p.os} {p.cpu_count}c", f"{p.mem_available_bytes / GB:.1f}/{p.mem_total_bytes / GB:.1f}",
-            f"{p.disk_seq_bps / 1e6:.0f}/{p.disk_rand_bps / 1e6:.0f}", gpu, best_flops(p.cpu_flops))
+        return ("-", "-", "-", "-")
+    gpu = f" {p.backend}" if p.backend != "cpu" else ""
+    return (f"{p.os} {p.cpu_count}c{gpu}", f"{p.mem_available_bytes / GB:.1f}/{p.mem_total_bytes / GB:.1f}",
+            f"{p.disk_seq_bps / 1e6:.0f}/{p.disk_rand_bps / 1e6:.0f}", best_flops(p.cpu_flops))
 
 
 def profile_detail(name: str, address: str, p: DeviceProfile | None, view: NodeView | None, facts: str,
