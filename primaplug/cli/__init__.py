@@ -9,10 +9,10 @@ import signal
 import sys
 import threading
 
-from primaplug.cli import dashboard, engine, health, keygen, layout, node, plan, run, serve, synth
+from primaplug.cli import dashboard, doctor, engine, health, keygen, layout, node, plan, run, serve, synth
 from primaplug.core import PrimaplugError
 
-COMMANDS = (run, serve, dashboard, plan, node, health, keygen, synth, layout, engine)
+COMMANDS = (run, serve, dashboard, plan, node, doctor, health, keygen, synth, layout, engine)
 
 
 def build_parser() -> argparse.ArgumentParser:

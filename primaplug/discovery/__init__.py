@@ -18,14 +18,14 @@ from primaplug.discovery.admission import Prove, admit, keep_proven, refusal, us
 from primaplug.discovery.records import NO_KEY, SERVICE_TYPE, Found, decode_txt, encode_txt, fingerprint, in_order
 
 if TYPE_CHECKING:
-    from primaplug.discovery.mdns import Advertiser, Browser, discover
+    from primaplug.discovery.mdns import Advertiser, Browser, discover, self_test
 
 __all__ = ["NO_KEY", "SERVICE_TYPE", "Advertiser", "Browser", "Found", "Prove", "admit", "decode_txt", "discover",
-           "encode_txt", "fingerprint", "in_order", "keep_proven", "refusal", "usable_addresses"]
+           "encode_txt", "fingerprint", "in_order", "keep_proven", "refusal", "self_test", "usable_addresses"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Advertiser", "Browser", "discover"):
+    if name in ("Advertiser", "Browser", "discover", "self_test"):
         from primaplug.discovery import mdns
 
         return getattr(mdns, name)

@@ -8,8 +8,10 @@ tests); a node bound to one address announces that address on that interface; on
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
+import os
 import re
 import socket
 import threading
@@ -332,3 +334,38 @@ def discover(keys: ClusterKeys | None, timeout_s: float = DISCOVER_S, *, prove: 
         time.sleep(timeout_s)
         browser.settle()
         return browser.addresses()
+
+
+def self_test(timeout_s: float = 3.0) -> tuple[bool, str]:
+    """Whether this device sees its own mDNS announcement (`primaplug doctor`): a service registered on every
+    interface, browsed for. (ok, the address it was announced at.)"""
+    ip = "127.0.0.1"
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))  # no packet leaves: this only picks the interface a route would use
+        ip = s.getsockname()[0]
+    label = _label(f"doctor-{socket.gethostname()}-{os.getpid()}")
+    info = ServiceInfo(SERVICE_TYPE, f"{label}.{SERVICE_TYPE}", port=9, server=f"primaplug-{label}.local.",
+                       addresses=[socket.inet_aton(ip)], properties={})
+    seen = threading.Event()
+
+    class Listener:
+        def add_service(self, _zc: Zeroconf, _type: str, name: str) -> None:
+            if name == info.name:
+                seen.set()
+
+        def update_service(self, _zc: Zeroconf, _type: str, name: str) -> None:
+            self.add_service(_zc, _type, name)
+
+        def remove_service(self, _zc: Zeroconf, _type: str, _name: str) -> None:
+            pass
+
+    zc = Zeroconf(interfaces=InterfaceChoice.All, ip_version=IPVersion.V4Only)
+    try:
+        browser = ServiceBrowser(zc, SERVICE_TYPE, listener=Listener())
+        zc.register_service(info, allow_name_change=True)
+        ok = seen.wait(timeout_s)
+        browser.cancel()
+        zc.unregister_service(info)
+    finally:
+        zc.close()
+    return ok, ip
