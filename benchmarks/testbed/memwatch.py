@@ -26,6 +26,15 @@ def _stat(text: str) -> dict[str, int]:
     return {k: int(v) for k, v in (line.split() for line in text.splitlines() if line.count(" ") == 1)}
 
 
+def _sample_or_gone(d: Path) -> dict[str, int]:
+    """sample_group, or zeros for a group that is gone: another run's clean_stale() may remove a device's group in the
+    moment it is empty (its processes ended), and a measurement then ends with what it saw, rather than failing."""
+    try:
+        return sample_group(d)
+    except FileNotFoundError:
+        return {"usage": 0, "anon": 0, "file": 0, "kernel": 0, "shmem": 0}
+
+
 def sample_group(d: Path) -> dict[str, int]:
     """One cgroup's memory now, in bytes: usage, anon (rss), file (page cache, as the node counts it:
     memory/system.py: file_cache_bytes), kernel, shmem; v1 or v2."""
@@ -90,7 +99,7 @@ class MemoryWatch:
         self._thread = threading.Thread(target=self._loop, name="memwatch", daemon=True)
 
     def _sample(self) -> list[dict[str, int]]:
-        now = [sample_group(d) for d in self.dirs]
+        now = [_sample_or_gone(d) for d in self.dirs]
         for i, s in enumerate(now):
             self.peak_used[i] = max(self.peak_used[i], s["usage"] - s["file"])
         self.series.append((time.monotonic(), [s["usage"] - s["file"] for s in now]))

@@ -108,3 +108,7 @@ def no_gpu_backend(who: str, backends: str = "", without: str = "plan") -> str:
     found = f"; llama.cpp's backends here: {backends}" if backends else ""
     return (f"{who} has no GPU backend (built for cpu{found}): rebuild it with `--gpu cuda` (scripts/build_engine.py, "
             f"or `make engine GPU=cuda`; `--gpu metal` on a Mac), or {without} without GPU layers (-ngl 0)")
+
+
+class SchemaError(PrimaplugError, ValueError):
+    """A `json_schema` response format that is malformed or that no grammar can express (the server: a 400)."""

@@ -14,11 +14,7 @@ from typing import Any
 
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
-from primaplug.core.errors import PrimaplugError
-
-
-class SchemaError(PrimaplugError, ValueError):
-    """A `json_schema` response format that is malformed or that no grammar can express (the server: a 400)."""
+from primaplug.core.errors import SchemaError
 
 
 def json_schema_format(response_format: Any) -> Any:

@@ -49,8 +49,7 @@ from starlette_context.middleware import RawContextMiddleware
 from starlette_context.plugins import RequestIdPlugin
 
 from primaplug import __version__
-from primaplug.core.errors import ConfigError, NodeError, NodeUnavailableError, PrimaplugError
-from primaplug.engine.structured import SchemaError, json_schema_format
+from primaplug.core.errors import ConfigError, NodeError, NodeUnavailableError, PrimaplugError, SchemaError
 from primaplug.server.metrics import Metrics, NodeFigures, RingFigures
 from primaplug.server.metrics import Request as Measured
 from primaplug.server.settings import ServeSettings, worker_threads
@@ -124,32 +123,27 @@ class _Route(APIRoute):
 
         async def timed(request: Request) -> Response:
             t0 = time.perf_counter()
-            refused = await _structured_outputs(request) if request.url.path.endswith("/chat/completions") else None
-            response = refused or await handler(request)
+            if request.url.path.endswith("/chat/completions"):
+                await _structured_outputs(request)
+            response = await handler(request)
             response.headers["openai-processing-ms"] = f"{int((time.perf_counter() - t0) * 1000)}"
             return response
 
         return timed
 
 
-async def _structured_outputs(request: Request) -> JSONResponse | None:
-    """OpenAI's Structured Outputs, which llama-cpp-python's request type refuses: a `json_schema` response format
-    becomes the `json_object` format with its schema before the body is validated (engine/structured.py); a schema
-    no grammar can express is a 400 naming the part."""
+async def _structured_outputs(request: Request) -> None:
+    """OpenAI's Structured Outputs, which llama-cpp-python's request type refuses: a `json_schema` response format is
+    kept aside (request.state.json_schema) and the body validated with JSON mode in its place; the handler gives the
+    Llama the original, which turns it into a grammar or refuses it naming the part (engine/structured.py: a 400)."""
     try:
         body = json.loads(await request.body())
     except ValueError:
-        return None  # not JSON: the validation says so
-    if not isinstance(body, dict) or not isinstance(body.get("response_format"), dict):
-        return None
-    try:
-        translated = json_schema_format(body["response_format"])
-    except SchemaError as e:
-        error = _error(str(e), "invalid_request_error", "invalid_json_schema") | {"param": "response_format"}
-        return JSONResponse({"error": error}, status_code=400)
-    if translated is not body["response_format"]:
-        request._body = json.dumps(body | {"response_format": translated}).encode()  # what the validation reads
-    return None
+        return  # not JSON: the validation says so
+    if isinstance(body, dict) and isinstance(body.get("response_format"), dict) and \
+            body["response_format"].get("type") == "json_schema":
+        request.state.json_schema = body["response_format"]
+        request._body = json.dumps(body | {"response_format": {"type": "json_object"}}).encode()
 
 
 async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:
@@ -176,7 +170,7 @@ def openai_error(error: BaseException, body: Any = None) -> tuple[int, dict[str,
     if isinstance(error, NodeError):
         return 500, _error(str(error), "internal_server_error", f"node_{error.code}")
     if isinstance(error, SchemaError):
-        return 400, _error(str(error), "invalid_request_error", "invalid_json_schema")
+        return 400, _error(str(error), "invalid_request_error", "invalid_json_schema") | {"param": "response_format"}
     if isinstance(error, PrimaplugError):
         code = re.sub(r"(?<!^)(?=[A-Z])", "_", type(error).__name__).lower()  # ConfigError: config_error
         return 500, _error(str(error), "internal_server_error", code)
@@ -254,6 +248,8 @@ class RingServer:
 
         async def create_chat_completion(request: Request, body: CreateChatCompletionRequest) -> Any:
             kwargs = body.model_dump(exclude=CHAT_EXCLUDE)
+            if hasattr(request.state, "json_schema"):  # Structured Outputs, as the client sent them
+                kwargs["response_format"] = request.state.json_schema
             return await self.generate(request, body, body.model, kwargs, "chat_completions",
                                        self.llm.create_chat_completion)
 
