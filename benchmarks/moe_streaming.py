@@ -155,7 +155,8 @@ def main() -> None:
             "machine": platform.node(), "when": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args),
             "model": {"file": uniform.name, "bytes": layout.file_size, "over_caps": round(layout.file_size / caps, 2),
                       "n_expert": layout.n_expert, "n_expert_used": layout.n_expert_used,
-                      "expert_mib": round(layout.expert_bytes(0) / MiB, 3)},
+                      # the first layer with experts (deepseek2's first is dense)
+                      "expert_mib": round(max(layout.expert_bytes(il) for il in range(layout.n_layer)) / MiB, 3)},
             "devices": [vars(d) for d in devices], "runs": {}}
         runs = results["runs"]
         if not args.skip_plain:
