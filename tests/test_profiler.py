@@ -564,3 +564,21 @@ def test_node_reserve_and_scheduler_count_the_same_compute_buffers(model_dir, k:
     assert (p.ram_fixed(k) - p.ram_head)[1] == node
     assert node == compute_buffer_layers_bytes(layout, n_ctx, n_batch, n_ubatch) + \
         (k - 1) * compute_buffer_layers_bytes(layout, n_ctx, 1, 1)
+
+
+def test_a_cgroup_whose_caps_change_is_another_device() -> None:
+    """The profile cache's key holds each cgroup's caps, not only its path: an emulated device given other caps in
+    the same group is measured again (its cached speeds were another device's)."""
+    from primaplug.profiler.osinfo import cgroup_identity
+
+    files = {"/proc/self/cgroup": "5:memory:/dev1\n4:cpu:/dev1\n0::/dev1\n",
+             "/sys/fs/cgroup/memory/dev1/memory.limit_in_bytes": "209715200\n",
+             "/sys/fs/cgroup/cpu/dev1/cpu.cfs_quota_us": "32000", "/sys/fs/cgroup/cpu/dev1/cpu.cfs_period_us": "100000"}
+    first = cgroup_identity(files.get)
+    assert "memory.limit_in_bytes=209715200" in first and "cpu.cfs_quota_us=32000" in first
+    files["/sys/fs/cgroup/cpu/dev1/cpu.cfs_quota_us"] = "64000"
+    assert cgroup_identity(files.get) != first
+    v2 = {"/proc/self/cgroup": "0::/dev2\n", "/sys/fs/cgroup/dev2/memory.max": "max", "/sys/fs/cgroup/dev2/cpu.max":
+          "50000 100000"}
+    assert cgroup_identity(v2.get).endswith("memory.max=max;cpu.max=50000 100000")
+    assert cgroup_identity({}.get) == ""

@@ -13,6 +13,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from primaplug.core.profiles import OsName
@@ -113,7 +114,23 @@ def read_memory(os_name: OsName) -> MemoryReading:
     return MemoryReading(view.total_bytes, view.available_bytes, view.source, can, free)
 
 
-def cgroup_identity() -> str:
-    """This process's cgroups: emulated devices on one machine differ by them (memory, CPU and disk caps), so
-    they are part of the profile cache's key."""
-    return (read_file("/proc/self/cgroup") or "").strip()
+# the files that hold a cgroup's caps: v1 per controller, v2 in the one hierarchy
+_CAP_FILES = {"memory": ("memory.limit_in_bytes",), "cpu": ("cpu.cfs_quota_us", "cpu.cfs_period_us"),
+              "blkio": ("blkio.throttle.read_bps_device",), "": ("memory.max", "cpu.max", "io.max")}
+
+
+def cgroup_identity(read: Callable[[str], str | None] = read_file) -> str:
+    """This process's cgroups and their caps: emulated devices on one machine differ by them (memory, CPU and disk
+    caps), so they are part of the profile cache's key; a group whose caps change is another device, measured
+    again, though its path is the same."""
+    groups = (read("/proc/self/cgroup") or "").strip()
+    caps = []
+    for line in groups.splitlines():
+        _, controllers, rel = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
+        for controller in controllers.split(",") if controllers else [""]:
+            base = f"/sys/fs/cgroup/{controller}{rel}" if controller else f"/sys/fs/cgroup{rel}"
+            for name in _CAP_FILES.get(controller, ()):
+                value = read(f"{base.rstrip('/')}/{name}")
+                if value is not None:
+                    caps.append(f"{name}={' '.join(value.split())}")
+    return groups + ("\n" + ";".join(caps) if caps else "")
