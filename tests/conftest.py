@@ -33,10 +33,12 @@ SYNTHETIC = [
     ("lfm2", 7, "Q8_0"),  # short convolutions (recurrent state) with attention every third layer, tied lm_head
     ("lfm2moe", 7, "Q4_K_M"),  # the same with routed experts (sigmoid, a selection bias) after a dense first layer
     ("minimax-m2", 7, "Q4_K_M"),  # experts in every layer (sigmoid, a bias), Q/K norms over all heads, half rotary
+    ("kimi-linear", 7, "Q4_K_M"),  # Kimi delta attention (recurrent) with latent attention every third layer
     # multi-head latent attention (a keys-only cache of the compressed vector), q LoRA, a dense first layer, routed
     # experts by sigmoid with a selection bias within groups, beside shared ones (DeepSeek V3, R1, Kimi K2)
     ("deepseek2", 7, "Q4_K_M"),
     ("deepseek2-lite", 7, "Q8_0"),  # the same without q LoRA, softmax routing over all experts (DeepSeek-V2-Lite)
+    ("deepseek32", 7, "Q4_K_M"),  # deepseek2 with V3.2's lightning indexer: each query attends to its top 16 keys
 ]
 
 
@@ -64,7 +66,8 @@ COMPUTE_BOUND = {
 # head (test_windows_match_llama: a window from layer 0, one past it and the output-only window, which is all the
 # window code a graph has), its streamed windows (test_exact_windows) and one device's windows on one context.
 SPLITS_IN_SLOW_RUNG = {"gpt-oss", "glm4moe", "gemma2", "olmo2", "phi3", "qwen35moe", "gemma4", "llama4", "lfm2",
-                       "deepseek2", "deepseek2-lite", "lfm2moe", "qwen3next", "minimax-m2"}
+                       "deepseek2", "deepseek2-lite", "lfm2moe", "qwen3next", "minimax-m2",
+                       "kimi-linear", "deepseek32"}
 FAST_SPLIT = "output-on-head"
 
 

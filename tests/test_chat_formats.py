@@ -18,7 +18,7 @@ EXPECTED_BY_ARCH = {
     "qwen35": "chatml", "qwen35moe": "chatml", "qwen3next": "chatml", "gpt-oss": "gpt-oss", "glm4moe": DEFAULT,
     "mistral3": "mistral-instruct", "granite": DEFAULT, "gemma3": "gemma", "gemma2": "gemma", "gemma4": "gemma",
     "olmo2": "chatml", "phi3": "phi-3", "lfm2": "chatml", "lfm2moe": "chatml", "deepseek2": DEFAULT,
-    "minimax-m2": DEFAULT,
+    "minimax-m2": DEFAULT, "kimi-linear": DEFAULT, "deepseek32": DEFAULT,
 }
 RENDER = {"gpt-oss": format_harmony, "llama-3": formats.format_llama3, "phi-3": format_phi3,
           "chatml": formats.format_chatml, "gemma": formats.format_gemma,

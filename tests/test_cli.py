@@ -44,8 +44,8 @@ def test_run_reports_bad_split(model_dir) -> None:
 def test_a_model_no_window_runs_is_refused_before_any_local_node_starts(tmp_path) -> None:
     from gguf import GGUFWriter
 
-    path = tmp_path / "kimi.gguf"
-    w = GGUFWriter(str(path), "kimi-linear")
+    path = tmp_path / "deepseek4.gguf"
+    w = GGUFWriter(str(path), "deepseek4")
     w.add_block_count(2)
     w.add_embedding_length(64)
     w.add_head_count(4)
@@ -56,7 +56,7 @@ def test_a_model_no_window_runs_is_refused_before_any_local_node_starts(tmp_path
     w.close()
     out = run_cli("run", "-m", str(path), "--local-nodes", "2", "-n", "2")
     assert out.returncode == 2 and "started" not in out.stderr, out.stderr
-    assert "architecture 'kimi-linear' cannot run in layer windows: its Kimi delta attention" in out.stderr
+    assert "architecture 'deepseek4' cannot run in layer windows: its hyper-connections" in out.stderr
     assert "supported architectures: llama" in out.stderr
 
 

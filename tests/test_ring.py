@@ -38,7 +38,9 @@ def models(model_dir: Path, gemma_path: Path) -> dict[str, Path]:
             "deepseek2_7": synthetic_path(model_dir, "deepseek2", 7, "Q4_K_M"),
             "lfm2moe_7": synthetic_path(model_dir, "lfm2moe", 7, "Q4_K_M"),
             "qwen3next_7": synthetic_path(model_dir, "qwen3next", 7, "Q4_K_M"),
-            "minimax_m2_7": synthetic_path(model_dir, "minimax-m2", 7, "Q4_K_M")}
+            "minimax_m2_7": synthetic_path(model_dir, "minimax-m2", 7, "Q4_K_M"),
+            "kimi_linear_7": synthetic_path(model_dir, "kimi-linear", 7, "Q4_K_M"),
+            "deepseek32_7": synthetic_path(model_dir, "deepseek32", 7, "Q4_K_M")}
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +93,8 @@ CASES = [  # model, layers per round (node, node, node[, head]) or None for an e
     ("lfm2moe_7", (2, 2, 2, 1), 1),  # convolutions and experts; the head holding a convolution
     ("qwen3next_7", (1, 2, 3, 1), 1),  # a node holding one delta-net layer alone
     ("minimax_m2_7", (3, 1, 2, 1), 1),
+    ("kimi_linear_7", (2, 2, 2, 1), 1),  # each node a delta-attention layer and a latent one
+    ("deepseek32_7", (2, 1, 3, 1), 1),  # sparse attention: each window's indexer keys on its own node
 ]
 
 

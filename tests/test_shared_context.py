@@ -22,9 +22,9 @@ def test_a_devices_windows_on_one_context_match_the_whole_model(test_model) -> N
     of several batches and micro-batches, greedy steps, then a rollback of the last steps, computed again."""
     path = str(test_model.path)
     layout = read_layout(path)
-    if any(layout.swa_layers) or layout.has_recurrent_layers:
-        pytest.skip(f"{test_model.name} has sliding-window attention or recurrent layers: its windows keep a context "
-                    "each (Model.can_share_context)")
+    if any(layout.swa_layers) or layout.has_recurrent_layers or layout.indexer_key_length:
+        pytest.skip(f"{test_model.name} has sliding-window attention, recurrent layers or sparse attention: its "
+                    "windows keep a context each (Model.can_share_context)")
     n = layout.n_layer
     six = even_split(n, 6)
     ring = [LayerRange(sum(six[:i]), sum(six[: i + 1])) for i in range(6)]  # device d runs windows d and d + 3

@@ -47,13 +47,14 @@ def test_middle_window_leaves_lm_head_on_disk(gemma_path, tmp_path) -> None:
         assert resident_bytes(path, layout.output_ranges()) == 0
 
 
-@pytest.mark.parametrize(("arch", "n_layer", "ftype"), [("llama", 9, "Q8_0"), ("deepseek2", 7, "Q4_K_M")])
+@pytest.mark.parametrize(("arch", "n_layer", "ftype"), [("llama", 9, "Q8_0"), ("deepseek2", 7, "Q4_K_M"),
+                                                        ("deepseek32", 7, "Q4_K_M")])
 def test_kv_cache_holds_only_the_window_layers(model_dir, arch: str, n_layer: int, ftype: str) -> None:
     """What a window's cache holds, as llama.cpp saves it, is what the layout (and so every budget and Halda) counts:
     grouped-query keys and values; latent attention's keys only (the compressed vector, read as the values too)."""
     path = synthetic_path(model_dir, arch, n_layer, ftype)
     layout = read_layout(path)
-    assert layout.keys_only_cache == (arch == "deepseek2")
+    assert layout.keys_only_cache == arch.startswith("deepseek")
     n_tokens = 50
     prompt = np.random.default_rng(1).integers(3, layout.n_vocab, size=n_tokens)
     windows = [LayerRange(0, 1), LayerRange(1, 3), LayerRange(3, n_layer)]

@@ -31,7 +31,8 @@ from primaplug.core.windows import LayerRange
 # llama_window_supported_archs() in the engine (a test checks it).
 SUPPORTED_ARCHS = ("llama", "llama4", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "gpt-oss", "glm4moe",
                    "mistral3", "granite", "gemma3", "gemma2", "gemma4", "olmo2", "phi3", "lfm2", "deepseek2",
-                   "lfm2moe", "qwen3next", "minimax-m2")
+                   "lfm2moe", "qwen3next", "minimax-m2", "kimi-linear",
+                   "deepseek32")
 # Architectures with recurrent layers (gated delta-net) beside attention, each layer marked in the file or full
 # attention every `full_attention_interval`-th layer (llama.cpp's default for them: 4); Qwen 3.5 rotates positions
 # with M-RoPE, which takes four positions per hidden-state row. LFM2's recurrent layers are short convolutions, the
@@ -114,6 +115,8 @@ class ModelLayout:
     # multi-head latent attention (deepseek2): the cache holds keys only, the compressed vector and its rotated part
     # (head_dim_k wide, one head), whose first head_dim_v values llama.cpp reads as the values
     keys_only_cache: bool = False
+    # DeepSeek V3.2's sparse attention: its lightning indexer caches a key of this width a token in every layer too
+    indexer_key_length: int = 0
     # how a token's experts are chosen (llama.cpp's expert_gating_func): "softmax" or "sigmoid" of the router's
     # logits (or "softmax_weight"), then within the best expert_groups_used of expert_groups groups where those are set
     expert_gating: str = "softmax"
@@ -261,7 +264,8 @@ class ModelLayout:
         if self.is_recurrent(layer):
             return 0
         k, v = self.head_dims(layer)
-        return self.n_head_kv[layer] * (k + (0 if self.keys_only_cache else v)) * bytes_per_value
+        return (self.n_head_kv[layer] * (k + (0 if self.keys_only_cache else v)) + self.indexer_key_length) * \
+            bytes_per_value
 
     def cache_bytes(self, layer: int, n_ctx: int, n_seq: int = 1) -> int:
         """What a layer's cache takes for n_ctx positions over n_seq sequences: keys and values, or a recurrent
@@ -464,6 +468,7 @@ def _layout(
         unsupported_reason=_unsupported_reason(arch, kv, n_layer),
         keys_only_cache=bool(kv.get(f"{arch}.attention.key_length_mla")) and bool(
             kv.get(f"{arch}.attention.value_length_mla")),
+        indexer_key_length=int(kv.get(f"{arch}.attention.indexer.key_length") or 0),
         **_routing(arch, kv, n_layer),
         **_recurrence(arch, kv, n_layer),
     )
@@ -497,6 +502,13 @@ def _recurrence(arch: str, kv: dict[str, Any], n_layer: int) -> dict[str, Any]:
         n_embd = int(kv.get(f"{arch}.embedding_length") or 0)
         state = 4 * n_embd * max(0, int(kv.get(f"{arch}.shortconv.l_cache") or 0) - 1)
         return {"recurrent_layers": recurrent, "recurrent_state_bytes": state}
+    if arch == "kimi-linear":  # Kimi delta attention, the layers with no KV head: three short convolutions' last
+        # inputs (queries, keys, values) and a head_dim x head_dim matrix a head, F32 (llama_hparams::n_embd_r/s)
+        heads = kv.get(f"{arch}.attention.head_count_kv")
+        recurrent = tuple(int(h) == 0 for h in heads[:n_layer]) if isinstance(heads, list) else (False,) * n_layer
+        n_head, hd = int(kv.get(f"{arch}.attention.head_count") or 0), int(kv.get(f"{arch}.kda.head_dim") or 0)
+        conv = 3 * max(0, int(kv.get(f"{arch}.ssm.conv_kernel") or 4) - 1) * n_head * hd
+        return {"recurrent_layers": recurrent, "recurrent_state_bytes": 4 * (conv + hd * hd * n_head)}
     if arch not in _HYBRID_ARCHS:
         return {}
     marked = kv.get(f"{arch}.attention.recurrent_layers")
@@ -515,14 +527,10 @@ def _recurrence(arch: str, kv: dict[str, Any], n_layer: int) -> dict[str, Any]:
 
 # architectures the engine's llama.cpp runs but windows do not split yet, and what they would need (docs/engine.md)
 NOT_YET = {
-    "deepseek32": "its sparse attention keeps a second cache beside the latent one (the lightning indexer's keys, "
-                  "llama.cpp's llama_kv_cache_dsa), which windows do not split by layer yet",
-    "glm-dsa": "its sparse attention keeps a second cache beside the latent one (the lightning indexer's keys, "
-               "llama.cpp's llama_kv_cache_dsa), which windows do not split by layer yet",
+    "glm-dsa": "its lightning indexer runs in some layers only, a pattern its graph's windows do not follow yet "
+               "(DeepSeek V3.2's deepseek32 runs in windows)",
     "deepseek4": "its hyper-connections carry a hidden state several times n_embd wide from layer to layer, wider than "
                  "the ring's messages, which carry n_embd values a row",
-    "kimi-linear": "its Kimi delta attention layers (a recurrent state of their own kind) beside latent attention are "
-                   "not split into windows yet",
 }
 
 

@@ -273,8 +273,11 @@ class Model:
     def can_share_context(self) -> bool:
         """Whether this model's windows can share one llama.cpp context (shared_windows): not with sliding-window
         attention, whose cache may drop cells that a later window still needs while the first runs a long batch, nor
-        with recurrent layers, whose state a later window would find neither zeroed for a new sequence nor placed."""
-        return not any(self.layout.swa_layers) and not self.layout.has_recurrent_layers
+        with recurrent layers, whose state a later window would find neither zeroed for a new sequence nor placed,
+        nor with DeepSeek V3.2's sparse attention, whose two caches (llama.cpp's llama_kv_cache_dsa) a later window
+        finds placed for the first window's batch, not its own (measured: other logits from the second window on)."""
+        return (not any(self.layout.swa_layers) and not self.layout.has_recurrent_layers
+                and not self.layout.indexer_key_length)
 
     def shared_windows(
         self,

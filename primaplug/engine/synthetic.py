@@ -24,9 +24,13 @@ FTYPES = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K_M": 15, "Q4_K_S": 14, "Q5_K_M": 1
 # each written with its real tensor names, shapes and hyper-parameters (llama.cpp's src/models/<arch>.cpp)
 ARCHS = ("llama", "llama4", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "gpt-oss", "glm4moe", "mistral3",
          "granite", "gemma2", "gemma4", "olmo2", "phi3", "lfm2", "lfm2moe", "deepseek2",
-         "qwen3next", "minimax-m2")
+         "qwen3next", "minimax-m2", "kimi-linear", "deepseek32")
 MOE_ARCHS = ("llama4", "qwen3moe", "qwen35moe", "gpt-oss", "glm4moe", "gemma4", "lfm2moe", "deepseek2", "qwen3next",
-             "minimax-m2")
+             "minimax-m2", "kimi-linear", "deepseek32")
+_DEEPSEEK_ARCHS = ("deepseek2", "deepseek32")
+# DeepSeek V3.2's lightning indexer: heads, their width (at least the rotated part) and the keys each query attends
+# to (few, so that the tests' prompts are attended sparsely)
+_INDEXER_HEADS, _INDEXER_HEAD, _INDEXER_TOP_K = 4, 64, 16
 _LFM2_ARCHS = ("lfm2", "lfm2moe")
 # named shapes of an architecture that differ in which tensors they have: DeepSeek-V2-Lite's queries come from one
 # projection (no q LoRA) and it routes by softmax over all experts, where V3 and R1 (deepseek2) route by sigmoid with a
@@ -152,8 +156,11 @@ def _tensors(spec: SyntheticSpec,
         if a in _LFM2_ARCHS:
             yield from _lfm2_layer(spec, il, mat, norm, bias, experts)
             continue
-        if a == "deepseek2":
+        if a in _DEEPSEEK_ARCHS:
             yield from _deepseek2_layer(spec, il, mat, norm, bias, experts)
+            continue
+        if a == "kimi-linear":
+            yield from _kimi_linear_layer(spec, il, mat, norm, bias, experts)
             continue
         if a != "olmo2":  # olmo2 normalises after attention and FFN only
             yield p + "attn_norm.weight", (e,), norm(e)
@@ -330,9 +337,66 @@ def _deepseek2_layer(spec: SyntheticSpec, il: int, mat: Callable[..., Maker], no
     yield p + "attn_k_b.weight", (h, kv, spec.mla_nope), experts(h, kv, spec.mla_nope)
     yield p + "attn_v_b.weight", (h, spec.mla_v, kv), experts(h, spec.mla_v, kv)
     yield p + "attn_output.weight", (e, h * spec.mla_v), mat(e, h * spec.mla_v, spec.out_scale(il))
+    if spec.arch == "deepseek32":  # V3.2's lightning indexer, which picks the keys each query attends to
+        n, w = _INDEXER_HEADS, _INDEXER_HEAD
+        yield p + "indexer.k_norm.weight", (w,), norm(w)
+        yield p + "indexer.k_norm.bias", (w,), bias(w)
+        yield p + "indexer.proj.weight", (n, e), mat(n, e)
+        yield p + "indexer.attn_k.weight", (w, e), mat(w, e)
+        yield p + "indexer.attn_q_b.weight", (n * w, q), mat(n * w, q)
     yield p + "ffn_norm.weight", (e,), norm(e)
     if il < spec.n_dense_lead:
         yield from _dense_ffn(spec, p, mat, spec.out_scale(il))
+    else:
+        yield from _moe_ffn(spec, p, mat, experts, bias)
+
+
+def kimi_attention(il: int) -> bool:
+    """Whether layer il of a synthetic Kimi-Linear is latent attention (else Kimi delta attention): every third (the
+    real model: every fourth)."""
+    return (il + 1) % 3 == 0
+
+
+_KDA_CONV = 4  # Kimi delta attention's short convolutions' kernel
+
+
+def _kimi_linear_layer(spec: SyntheticSpec, il: int, mat: Callable[..., Maker], norm: Callable[..., Maker],
+                       bias: Callable[..., Maker],
+                       experts: Callable[[int, int, int], Maker]) -> Iterator[tuple[str, tuple[int, ...], Maker]]:
+    """A Kimi-Linear block (llama.cpp's models/kimi-linear.cpp): Kimi delta attention (queries, keys and values each
+    through a short convolution, a decay from a low-rank projection, a gate, a gated norm; a recurrent state), or
+    latent attention without q LoRA, as deepseek2's; then a dense FFN in the leading layers, else routed experts
+    (sigmoid with a bias) beside a shared one."""
+    e, p, h = spec.n_embd, f"blk.{il}.", spec.n_head
+    hd = e // h
+    inner = h * hd
+    yield p + "attn_norm.weight", (e,), norm(e)
+    if kimi_attention(il):
+        kv, rope, k_head = spec.kv_lora_rank, spec.mla_rope, spec.mla_nope + spec.mla_rope
+        yield p + "attn_kv_a_norm.weight", (kv,), norm(kv)
+        yield p + "attn_q.weight", (h * k_head, e), mat(h * k_head, e)
+        yield p + "attn_kv_a_mqa.weight", (kv + rope, e), mat(kv + rope, e)
+        yield p + "attn_k_b.weight", (h, kv, spec.mla_nope), experts(h, kv, spec.mla_nope)
+        yield p + "attn_v_b.weight", (h, spec.mla_v, kv), experts(h, spec.mla_v, kv)
+        yield p + "attn_output.weight", (e, h * spec.mla_v), mat(e, h * spec.mla_v)
+    else:
+        for x in ("q", "k", "v"):
+            yield p + f"ssm_conv1d_{x}.weight", (inner, 1, _KDA_CONV), lambda: (
+                0.5 * np.ones((inner, 1, _KDA_CONV), dtype=np.float32) / _KDA_CONV)
+        for x in ("q", "k", "v"):
+            yield p + f"attn_{x}.weight", (inner, e), mat(inner, e)
+        yield p + "ssm_f_a.weight", (hd, e), mat(hd, e)
+        yield p + "ssm_f_b.weight", (inner, hd), mat(inner, hd)
+        yield p + "ssm_beta.weight", (h, e), mat(h, e)
+        yield p + "ssm_a", (h, 1), lambda: -np.linspace(0.2, 1.0, h, dtype=np.float32).reshape(h, 1)
+        yield p + "ssm_dt.bias", (inner,), bias(inner)
+        yield p + "ssm_g_a.weight", (hd, e), mat(hd, e)
+        yield p + "ssm_g_b.weight", (inner, hd), mat(inner, hd)
+        yield p + "ssm_norm.weight", (hd,), norm(hd)
+        yield p + "attn_output.weight", (e, inner), mat(e, inner)
+    yield p + "ffn_norm.weight", (e,), norm(e)
+    if il < spec.n_dense_lead:
+        yield from _dense_ffn(spec, p, mat)
     else:
         yield from _moe_ffn(spec, p, mat, experts, bias)
 
@@ -390,7 +454,8 @@ def _moe_ffn(spec: SyntheticSpec, p: str, mat: Callable[..., Maker], experts: Ca
     yield p + "ffn_gate_inp.weight", (x, e), lambda: router() * gain
     if spec.arch == "gpt-oss":
         yield p + "ffn_gate_inp.bias", (x,), bias(x)
-    if spec.arch in ("glm4moe", "lfm2moe", "minimax-m2") or (spec.arch == "deepseek2" and spec.expert_groups):
+    if spec.arch in ("glm4moe", "lfm2moe", "minimax-m2", "kimi-linear") or (
+            spec.arch in _DEEPSEEK_ARCHS and spec.expert_groups):
         yield p + "exp_probs_b.bias", (x,), bias(x)  # the routing bias of DeepSeek-V3's auxiliary-loss-free balancing
     yield p + "ffn_gate_exps.weight", (x, f, e), experts(x, f, e)
     yield p + "ffn_up_exps.weight", (x, f, e), experts(x, f, e)
@@ -399,7 +464,7 @@ def _moe_ffn(spec: SyntheticSpec, p: str, mat: Callable[..., Maker], experts: Ca
         yield p + "ffn_gate_exps.bias", (x, f), bias(x, f)
         yield p + "ffn_up_exps.bias", (x, f), bias(x, f)
         yield p + "ffn_down_exps.bias", (x, e), bias(x, e)
-    if spec.arch in ("glm4moe", "llama4", "deepseek2"):
+    if spec.arch in ("glm4moe", "llama4", "kimi-linear", *_DEEPSEEK_ARCHS):
         s = f * spec.n_expert_shared
         yield p + "ffn_gate_shexp.weight", (s, e), mat(s, e)
         yield p + "ffn_up_shexp.weight", (s, e), mat(s, e)
@@ -439,7 +504,7 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
         w.add_embedding_length_per_layer_input(0)  # no per-layer token embeddings (E2B, E4B): windows refuse them
         w.add_final_logit_softcapping(100.0)  # far from saturation: no near-ties at the cap
         w.add_rope_freq_base_swa(10000.0)
-    elif spec.arch == "deepseek2":  # MLA as one key-value head over the compressed vector (the converter's layout)
+    elif spec.arch in _DEEPSEEK_ARCHS:  # MLA as one key-value head over the compressed vector (the converter's layout)
         w.add_head_count_kv(1)
         w.add_key_length(spec.kv_lora_rank + spec.mla_rope)
         w.add_value_length(spec.kv_lora_rank)
@@ -448,6 +513,16 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
         w.add_q_lora_rank(spec.q_lora_rank)
         w.add_kv_lora_rank(spec.kv_lora_rank)
         w.add_rope_dimension_count(spec.mla_rope)
+    elif spec.arch == "kimi-linear":  # no KV head in a delta-attention layer; latent attention as one KV head
+        w.add_head_count_kv([1 if kimi_attention(il) else 0 for il in range(spec.n_layer)])
+        w.add_key_length(spec.kv_lora_rank + spec.mla_rope)
+        w.add_value_length(spec.kv_lora_rank)
+        w.add_key_length_mla(spec.mla_nope + spec.mla_rope)
+        w.add_value_length_mla(spec.mla_v)
+        w.add_kv_lora_rank(spec.kv_lora_rank)
+        w.add_rope_dimension_count(spec.mla_rope)
+        w.add_ssm_conv_kernel(_KDA_CONV)
+        w.add_kda_head_dim(hd)
     elif spec.arch in _LFM2_ARCHS:  # no KV head where a layer is a convolution: how llama.cpp tells them apart
         w.add_head_count_kv([spec.n_head_kv if lfm2_attention(il) else 0 for il in range(spec.n_layer)])
         w.add_uint32(f"{spec.arch}.shortconv.l_cache", _LFM2_CONV)
@@ -480,11 +555,20 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
         w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
         w.add_expert_weights_scale(1.0)
         w.add_rope_dimension_count(hd // 2)
+    if spec.arch == "kimi-linear":  # Kimi-Linear-48B-A3B: a dense first layer, sigmoid routing with a bias
+        w.add_expert_shared_count(spec.n_expert_shared)
+        w.add_leading_dense_block_count(spec.n_dense_lead)
+        w.add_expert_weights_scale(2.5)
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
     if spec.arch == "lfm2moe":  # LFM2-8B-A1B: dense leading layers, sigmoid routing with a bias, normalised weights
         w.add_leading_dense_block_count(spec.n_dense_lead)
         w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
         w.add_expert_weights_scale(1.0)
-    if spec.arch == "deepseek2":  # V3: sigmoid routing with a selection bias within groups; V2-Lite: softmax
+    if spec.arch == "deepseek32":
+        w.add_uint32("deepseek32.attention.indexer.head_count", _INDEXER_HEADS)
+        w.add_uint32("deepseek32.attention.indexer.key_length", _INDEXER_HEAD)
+        w.add_uint32("deepseek32.attention.indexer.top_k", _INDEXER_TOP_K)
+    if spec.arch in _DEEPSEEK_ARCHS:  # V3: sigmoid routing with a selection bias within groups; V2-Lite: softmax
         w.add_expert_shared_count(spec.n_expert_shared)
         w.add_leading_dense_block_count(spec.n_dense_lead)
         w.add_expert_weights_scale(2.5 if spec.expert_groups else 1.0)
@@ -575,7 +659,7 @@ def spec_for_size(size_bytes: int, n_layer: int, *, ftype: str = "Q4_K_M", n_voc
     moe = arch in MOE_ARCHS
     # weights per layer in units of e^2: q and o (1 each), k and v (1/4 each); then gate, up and down (3 x 3.5),
     # or for experts of width e/2, 1.5 per expert (and what is beside them)
-    beside = {"glm4moe": 1.5, "deepseek2": 1.5, "gemma4": 10.5}.get(arch, 0.0)  # a shared expert; gemma4's MLP
+    beside = {"glm4moe": 1.5, "deepseek2": 1.5, "deepseek32": 1.5, "kimi-linear": 1.5, "gemma4": 10.5}.get(arch, 0.0)
     per_e2 = 2.5 + (1.5 * n_expert + beside if moe else 10.5)
     per_layer_weights = size_bytes * 8 / bits / n_layer
     e = max(256, int(round((per_layer_weights / per_e2) ** 0.5 / 256)) * 256)
@@ -587,7 +671,7 @@ def spec_for_size(size_bytes: int, n_layer: int, *, ftype: str = "Q4_K_M", n_voc
     n_ff_exp = max(256, int(round(left / (3 * e * n_expert) / 256)) * 256)
     extra: dict[str, Any] = dict(n_expert=n_expert, n_expert_used=n_expert_used, n_ff_exp=n_ff_exp,
                                  router_skew=router_skew) if moe else {}
-    if arch == "deepseek2":  # DeepSeek-V3's proportions: q LoRA about e/4, the cached vector about e/14 (at least 128)
+    if arch in _DEEPSEEK_ARCHS:  # DeepSeek-V3's proportions: q LoRA about e/4, the cached vector e/14 (128 at least)
         extra |= dict(kv_lora_rank=max(128, e // 14 // 128 * 128),
                       q_lora_rank=max(128, e // 4 // 128 * 128) if VARIANTS.get(variant, {}).get("q_lora_rank", 1)
                       else 0,
