@@ -19,6 +19,7 @@ EXPECTED_BY_ARCH = {
     "mistral3": "mistral-instruct", "granite": DEFAULT, "gemma3": "gemma", "gemma2": "gemma", "gemma4": "gemma",
     "olmo2": "chatml", "phi3": "phi-3", "lfm2": "chatml", "lfm2moe": "chatml", "deepseek2": DEFAULT,
     "minimax-m2": DEFAULT, "kimi-linear": DEFAULT, "deepseek32": DEFAULT,
+    "glm-dsa": DEFAULT,
 }
 RENDER = {"gpt-oss": format_harmony, "llama-3": formats.format_llama3, "phi-3": format_phi3,
           "chatml": formats.format_chatml, "gemma": formats.format_gemma,

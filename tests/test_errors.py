@@ -17,8 +17,7 @@ def test_python_and_native_agree_on_supported_architectures() -> None:
     assert set(_native.supported_archs()) == set(SUPPORTED_ARCHS)
 
 
-@pytest.mark.parametrize(("arch", "why"), [("gpt2", None), ("deepseek4", "hyper-connections"),
-                                           ("glm-dsa", "lightning indexer runs in some layers")])
+@pytest.mark.parametrize(("arch", "why"), [("gpt2", None), ("deepseek4", "hyper-connections")])
 def test_unsupported_architecture_is_named(tmp_path, arch: str, why: str | None) -> None:
     """Refused before anything loads, naming the architecture, why where the engine's llama.cpp runs it but windows
     do not split it yet, and what windows cover."""

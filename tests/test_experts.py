@@ -117,7 +117,8 @@ def test_router_choice_within_expert_groups_as_deepseek_v3() -> None:
                                              ("llama4", "Q4_K_M"), ("deepseek2", "Q4_K_M"),
                                              ("deepseek2-lite", "Q8_0"), ("lfm2moe", "Q4_K_M"),
                                              ("qwen3next", "Q4_K_M"), ("minimax-m2", "Q4_K_M"),
-                                             ("kimi-linear", "Q4_K_M"), ("deepseek32", "Q4_K_M")])
+                                             ("kimi-linear", "Q4_K_M"), ("deepseek32", "Q4_K_M"),
+                                             ("glm-dsa", "Q4_K_M")])
 def test_a_window_tells_each_layers_choice_and_computes_the_same(model_dir: Path, arch: str, ftype: str) -> None:
     """The choice llama.cpp made, read from its graph, and the router input beside it: applying the layer's own
     router (read from the file) to that input gives the same choice; the outputs are bit for bit those of a window

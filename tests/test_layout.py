@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from gguf import GGUFReader
+import numpy as np
+from gguf import GGUFReader, GGUFValueType
 
 from primaplug.core import LayerRange
 from primaplug.engine import read_layout
@@ -105,3 +106,31 @@ def test_latent_attention_caches_keys_only_and_routes_within_groups(model_dir) -
     lite = read_layout(synthetic_path(model_dir, "deepseek2-lite", 7, "Q8_0"))
     assert lite.keys_only_cache and lite.tensor("blk.0.attn_q.weight") is not None
     assert (lite.expert_gating, lite.expert_groups) == ("softmax", 0)
+
+
+def test_glm5_runs_in_windows_where_every_layer_has_its_own_indexer(tmp_path) -> None:
+    """GLM 5.2's shared-indexer layers attend to the keys an earlier layer chose: refused, saying why; GLM 5 and 5.1
+    (an indexer in every layer: the file says so, or its context is under 1M tokens) run in windows."""
+    from gguf import GGUFWriter
+
+    def layout(**keys: object):  # noqa: ANN202
+        path = tmp_path / f"glm-{len(list(tmp_path.iterdir()))}.gguf"
+        w = GGUFWriter(str(path), "glm-dsa")
+        w.add_block_count(4)
+        w.add_embedding_length(64)
+        w.add_head_count(4)
+        for key, value in keys.items():
+            w.add_key_value(f"glm-dsa.{key}", value, GGUFValueType.ARRAY if isinstance(value, list) else
+                            GGUFValueType.UINT32, sub_type=GGUFValueType.UINT32 if isinstance(value, list) else None)
+        w.add_tensor("token_embd.weight", np.zeros((16, 64), dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return read_layout(path)
+
+    assert layout(context_length=202752).supports_windows
+    assert layout(**{"attention.indexer.types": [1, 1, 1, 1]}).supports_windows
+    shared = layout(**{"attention.indexer.types": [1, 1, 0, 0]})
+    assert not shared.supports_windows and "shared indexer (GLM 5.2)" in shared.unsupported_reason
+    assert not layout(context_length=1048576).supports_windows  # GLM 5.2's own pattern, where the file says none

@@ -32,7 +32,8 @@ MAX_TOKENS = 10
 # fourth with latent attention and grouped routing
 MOE = {"qwen3moe": "Q4_K_M", "gpt-oss": "MXFP4_MOE", "qwen35moe": "Q4_K_M", "deepseek2": "Q4_K_M",
        "lfm2moe": "Q4_K_M", "qwen3next": "Q4_K_M", "minimax-m2": "Q4_K_M",
-       "kimi-linear": "Q4_K_M", "deepseek32": "Q4_K_M"}
+       "kimi-linear": "Q4_K_M", "deepseek32": "Q4_K_M",
+       "glm-dsa": "Q4_K_M"}
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,8 @@ def models(model_dir: Path, gemma_path: Path) -> dict[str, Path]:
             "qwen3next_7": synthetic_path(model_dir, "qwen3next", 7, "Q4_K_M"),
             "minimax_m2_7": synthetic_path(model_dir, "minimax-m2", 7, "Q4_K_M"),
             "kimi_linear_7": synthetic_path(model_dir, "kimi-linear", 7, "Q4_K_M"),
-            "deepseek32_7": synthetic_path(model_dir, "deepseek32", 7, "Q4_K_M")}
+            "deepseek32_7": synthetic_path(model_dir, "deepseek32", 7, "Q4_K_M"),
+            "glm_dsa_7": synthetic_path(model_dir, "glm-dsa", 7, "Q4_K_M")}
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +96,7 @@ CASES = [  # model, layers per round (node, node, node[, head]) or None for an e
     ("minimax_m2_7", (3, 1, 2, 1), 1),
     ("kimi_linear_7", (2, 2, 2, 1), 1),  # each node a delta-attention layer and a latent one
     ("deepseek32_7", (2, 1, 3, 1), 1),  # sparse attention: each window's indexer keys on its own node
+    ("glm_dsa_7", (1, 3, 2, 1), 1),
 ]
 
 

@@ -32,7 +32,7 @@ from primaplug.core.windows import LayerRange
 SUPPORTED_ARCHS = ("llama", "llama4", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "gpt-oss", "glm4moe",
                    "mistral3", "granite", "gemma3", "gemma2", "gemma4", "olmo2", "phi3", "lfm2", "deepseek2",
                    "lfm2moe", "qwen3next", "minimax-m2", "kimi-linear",
-                   "deepseek32")
+                   "deepseek32", "glm-dsa")
 # Architectures with recurrent layers (gated delta-net) beside attention, each layer marked in the file or full
 # attention every `full_attention_interval`-th layer (llama.cpp's default for them: 4); Qwen 3.5 rotates positions
 # with M-RoPE, which takes four positions per hidden-state row. LFM2's recurrent layers are short convolutions, the
@@ -527,11 +527,18 @@ def _recurrence(arch: str, kv: dict[str, Any], n_layer: int) -> dict[str, Any]:
 
 # architectures the engine's llama.cpp runs but windows do not split yet, and what they would need (docs/engine.md)
 NOT_YET = {
-    "glm-dsa": "its lightning indexer runs in some layers only, a pattern its graph's windows do not follow yet "
-               "(DeepSeek V3.2's deepseek32 runs in windows)",
     "deepseek4": "its hyper-connections carry a hidden state several times n_embd wide from layer to layer, wider than "
                  "the ring's messages, which carry n_embd values a row",
 }
+
+
+def _every_layer_indexed(kv: dict[str, Any], n_layer: int) -> bool:
+    """Whether every layer of a GLM 5 model has its own lightning indexer (llama.cpp's glm-dsa.cpp: the file's
+    `indexer.types`, else all for a context under 1M tokens (GLM 5, 5.1), else GLM 5.2's pattern, which shares)."""
+    types = kv.get("glm-dsa.attention.indexer.types")
+    if isinstance(types, list):
+        return all(int(t) for t in types[:n_layer])
+    return int(kv.get("glm-dsa.context_length") or 0) < 1048576
 
 
 def _unsupported_reason(arch: str, kv: dict[str, Any], n_layer: int) -> str | None:
@@ -539,6 +546,10 @@ def _unsupported_reason(arch: str, kv: dict[str, Any], n_layer: int) -> str | No
     the engine refuses (llama_model_supports_windows)."""
     if arch in NOT_YET:
         return NOT_YET[arch] + "; run it with plain llama-cpp-python"
+    if arch == "glm-dsa" and not _every_layer_indexed(kv, n_layer):
+        return ("its layers with a shared indexer (GLM 5.2) attend to the keys that an earlier layer's indexer chose, "
+                "which a window starting between them does not have; GLM 5 and 5.1 (an indexer in every layer) run in "
+                "windows; run this one with plain llama-cpp-python")
     if arch == "gemma4":
         if int(kv.get("gemma4.embedding_length_per_layer_input") or 0):
             return ("its per-layer token embeddings (Gemma 4 E2B and E4B) are computed from the tokens for every layer "

@@ -24,10 +24,13 @@ FTYPES = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K_M": 15, "Q4_K_S": 14, "Q5_K_M": 1
 # each written with its real tensor names, shapes and hyper-parameters (llama.cpp's src/models/<arch>.cpp)
 ARCHS = ("llama", "llama4", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "gpt-oss", "glm4moe", "mistral3",
          "granite", "gemma2", "gemma4", "olmo2", "phi3", "lfm2", "lfm2moe", "deepseek2",
-         "qwen3next", "minimax-m2", "kimi-linear", "deepseek32")
+         "qwen3next", "minimax-m2", "kimi-linear", "deepseek32", "glm-dsa")
 MOE_ARCHS = ("llama4", "qwen3moe", "qwen35moe", "gpt-oss", "glm4moe", "gemma4", "lfm2moe", "deepseek2", "qwen3next",
-             "minimax-m2", "kimi-linear", "deepseek32")
-_DEEPSEEK_ARCHS = ("deepseek2", "deepseek32")
+             "minimax-m2", "kimi-linear", "deepseek32", "glm-dsa")
+# DeepSeek's latent attention; V3.2's lightning indexer (deepseek32), and GLM 5's the same with an indexer in every
+# layer (glm-dsa: GLM 5 and 5.1; GLM 5.2 shares one indexer's choice over several layers)
+_DEEPSEEK_ARCHS = ("deepseek2", "deepseek32", "glm-dsa")
+_INDEXER_ARCHS = ("deepseek32", "glm-dsa")
 # DeepSeek V3.2's lightning indexer: heads, their width (at least the rotated part) and the keys each query attends
 # to (few, so that the tests' prompts are attended sparsely)
 _INDEXER_HEADS, _INDEXER_HEAD, _INDEXER_TOP_K = 4, 64, 16
@@ -337,7 +340,7 @@ def _deepseek2_layer(spec: SyntheticSpec, il: int, mat: Callable[..., Maker], no
     yield p + "attn_k_b.weight", (h, kv, spec.mla_nope), experts(h, kv, spec.mla_nope)
     yield p + "attn_v_b.weight", (h, spec.mla_v, kv), experts(h, spec.mla_v, kv)
     yield p + "attn_output.weight", (e, h * spec.mla_v), mat(e, h * spec.mla_v, spec.out_scale(il))
-    if spec.arch == "deepseek32":  # V3.2's lightning indexer, which picks the keys each query attends to
+    if spec.arch in _INDEXER_ARCHS:  # V3.2's lightning indexer, which picks the keys each query attends to
         n, w = _INDEXER_HEADS, _INDEXER_HEAD
         yield p + "indexer.k_norm.weight", (w,), norm(w)
         yield p + "indexer.k_norm.bias", (w,), bias(w)
@@ -564,10 +567,10 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
         w.add_leading_dense_block_count(spec.n_dense_lead)
         w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
         w.add_expert_weights_scale(1.0)
-    if spec.arch == "deepseek32":
-        w.add_uint32("deepseek32.attention.indexer.head_count", _INDEXER_HEADS)
-        w.add_uint32("deepseek32.attention.indexer.key_length", _INDEXER_HEAD)
-        w.add_uint32("deepseek32.attention.indexer.top_k", _INDEXER_TOP_K)
+    if spec.arch in _INDEXER_ARCHS:
+        w.add_uint32(f"{spec.arch}.attention.indexer.head_count", _INDEXER_HEADS)
+        w.add_uint32(f"{spec.arch}.attention.indexer.key_length", _INDEXER_HEAD)
+        w.add_uint32(f"{spec.arch}.attention.indexer.top_k", _INDEXER_TOP_K)
     if spec.arch in _DEEPSEEK_ARCHS:  # V3: sigmoid routing with a selection bias within groups; V2-Lite: softmax
         w.add_expert_shared_count(spec.n_expert_shared)
         w.add_leading_dense_block_count(spec.n_dense_lead)
@@ -659,7 +662,7 @@ def spec_for_size(size_bytes: int, n_layer: int, *, ftype: str = "Q4_K_M", n_voc
     moe = arch in MOE_ARCHS
     # weights per layer in units of e^2: q and o (1 each), k and v (1/4 each); then gate, up and down (3 x 3.5),
     # or for experts of width e/2, 1.5 per expert (and what is beside them)
-    beside = {"glm4moe": 1.5, "deepseek2": 1.5, "deepseek32": 1.5, "kimi-linear": 1.5, "gemma4": 10.5}.get(arch, 0.0)
+    beside = {"glm4moe": 1.5, "kimi-linear": 1.5, "gemma4": 10.5, **dict.fromkeys(_DEEPSEEK_ARCHS, 1.5)}.get(arch, 0.0)
     per_e2 = 2.5 + (1.5 * n_expert + beside if moe else 10.5)
     per_layer_weights = size_bytes * 8 / bits / n_layer
     e = max(256, int(round((per_layer_weights / per_e2) ** 0.5 / 256)) * 256)
