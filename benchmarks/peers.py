@@ -177,10 +177,11 @@ class Peers:
         return None
 
     def scrub(self, text: str) -> str:
-        """What is committed names no path of this machine: the checkouts, this repository and the home folder are
-        said as <prima.cpp>, <distributed-llama>, <exo>, <repo> and ~."""
+        """What is committed names no path of this machine: the checkouts, this repository, the Python environment
+        (where it is outside the repository) and the home folder are said as <prima.cpp>, <distributed-llama>, <exo>,
+        <repo>, <venv> and ~."""
         places = [(self.prima, "<prima.cpp>"), (self.dllama, "<distributed-llama>"), (self.exo, "<exo>"),
-                  (ROOT, "<repo>"), (Path.home(), "~")]
+                  (ROOT, "<repo>"), (Path(sys.prefix), "<venv>"), (Path.home(), "~")]  # a venv outside the checkout
         for path, name in places:
             if path is not None and str(path) not in ("", "/", "."):
                 text = text.replace(str(Path(path).resolve()), name).replace(str(path), name)
