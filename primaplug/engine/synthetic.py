@@ -509,21 +509,11 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
         w.add_rope_freq_base_swa(10000.0)
     elif spec.arch in _DEEPSEEK_ARCHS:  # MLA as one key-value head over the compressed vector (the converter's layout)
         w.add_head_count_kv(1)
-        w.add_key_length(spec.kv_lora_rank + spec.mla_rope)
-        w.add_value_length(spec.kv_lora_rank)
-        w.add_key_length_mla(spec.mla_nope + spec.mla_rope)
-        w.add_value_length_mla(spec.mla_v)
+        _add_mla(w, spec)
         w.add_q_lora_rank(spec.q_lora_rank)
-        w.add_kv_lora_rank(spec.kv_lora_rank)
-        w.add_rope_dimension_count(spec.mla_rope)
     elif spec.arch == "kimi-linear":  # no KV head in a delta-attention layer; latent attention as one KV head
         w.add_head_count_kv([1 if kimi_attention(il) else 0 for il in range(spec.n_layer)])
-        w.add_key_length(spec.kv_lora_rank + spec.mla_rope)
-        w.add_value_length(spec.kv_lora_rank)
-        w.add_key_length_mla(spec.mla_nope + spec.mla_rope)
-        w.add_value_length_mla(spec.mla_v)
-        w.add_kv_lora_rank(spec.kv_lora_rank)
-        w.add_rope_dimension_count(spec.mla_rope)
+        _add_mla(w, spec)
         w.add_ssm_conv_kernel(_KDA_CONV)
         w.add_kda_head_dim(hd)
     elif spec.arch in _LFM2_ARCHS:  # no KV head where a layer is a convolution: how llama.cpp tells them apart
@@ -636,6 +626,17 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
             progress(done, total)
     w.close()
     return Path(path)
+
+
+def _add_mla(w: GGUFWriter, spec: SyntheticSpec) -> None:
+    """Latent attention's hyper-parameters as the converter writes them: the cached key is the compressed vector and
+    its rotated part, the value the vector; the heads' widths once decompressed."""
+    w.add_key_length(spec.kv_lora_rank + spec.mla_rope)
+    w.add_value_length(spec.kv_lora_rank)
+    w.add_key_length_mla(spec.mla_nope + spec.mla_rope)
+    w.add_value_length_mla(spec.mla_v)
+    w.add_kv_lora_rank(spec.kv_lora_rank)
+    w.add_rope_dimension_count(spec.mla_rope)
 
 
 def synthetic_spec(name: str, **shape: Any) -> SyntheticSpec:
