@@ -441,7 +441,8 @@ def _layout(
     head_dim_k = int(get("attention.key_length", n_embd // n_head))
     head_dim_v = int(get("attention.value_length", head_dim_k))
     tokens = kv.get("tokenizer.ggml.tokens")
-    n_vocab = int(kv.get(f"{arch}.vocab_size") or (tokens if isinstance(tokens, int) else len(tokens or [])))
+    vocab_size = int(kv.get(f"{arch}.vocab_size") or (tokens if isinstance(tokens, int) else len(tokens or [])))
+    n_vocab = vocab_size  # what the metadata counts, unless the embedding says otherwise
     embd = next((t for t in tensors if t.name == "token_embd.weight"), None)
     if embd is not None and len(embd.shape) == 2:
         n_vocab = embd.shape[1]
@@ -469,8 +470,8 @@ def _layout(
         keys_only_cache=bool(kv.get(f"{arch}.attention.key_length_mla")) and bool(
             kv.get(f"{arch}.attention.value_length_mla")),
         indexer_key_length=int(kv.get(f"{arch}.attention.indexer.key_length") or 0),
-        **_routing(arch, kv, n_layer),
-        **_recurrence(arch, kv, n_layer),
+        **_routing(arch, kv, n_layer, vocab_size),
+        **_recurrence(arch, kv, n_layer, n_head_kv),
     )
 
 
@@ -478,37 +479,32 @@ def _layout(
 _GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight", 4: "sqrt_softplus"}
 
 
-def _routing(arch: str, kv: dict[str, Any], n_layer: int) -> dict[str, Any]:
+def _routing(arch: str, kv: dict[str, Any], n_layer: int, vocab_size: int) -> dict[str, Any]:
     """How a mixture of experts chooses (llama.cpp's load_hparams and build_moe_ffn): the gating function, which
     deepseek2 files may leave out (then softmax, as DeepSeek V2; sigmoid for GLM-4.7-Flash, as llama.cpp tells it by
-    its 47 or 48 layers and 154880 tokens), and the expert groups."""
+    its 47 or 48 layers and the 154880 tokens its metadata counts), and the expert groups."""
     gating = kv.get(f"{arch}.expert_gating_func")
     if not gating and arch == "deepseek2":
-        tokens = kv.get("tokenizer.ggml.tokens")
-        n_vocab = int(kv.get(f"{arch}.vocab_size") or (tokens if isinstance(tokens, int) else len(tokens or [])))
-        gating = 2 if n_layer in (47, 48) and n_vocab == 154880 else 1
+        gating = 2 if n_layer in (47, 48) and vocab_size == 154880 else 1
     default = "sigmoid" if arch in ("glm4moe", "llama4") else "softmax"
     return {"expert_gating": _GATING.get(int(gating or 0), default),
             "expert_groups": int(kv.get(f"{arch}.expert_group_count") or 0),
             "expert_groups_used": int(kv.get(f"{arch}.expert_group_used_count") or 0)}
 
 
-def _recurrence(arch: str, kv: dict[str, Any], n_layer: int) -> dict[str, Any]:
+def _recurrence(arch: str, kv: dict[str, Any], n_layer: int, n_head_kv: tuple[int, ...]) -> dict[str, Any]:
     """Which layers are recurrent, and what a sequence's state takes in each (llama.cpp's qwen35.cpp and
-    llama_hparams::n_embd_r/n_embd_s, F32)."""
+    llama_hparams::n_embd_r/n_embd_s, F32). LFM2's and Kimi-Linear's recurrent layers are those with no KV head."""
+    no_kv_head = tuple(h == 0 for h in n_head_kv[:n_layer])
     if arch in ("lfm2", "lfm2moe"):  # a convolution's last l_cache - 1 inputs, F32
-        heads = kv.get(f"{arch}.attention.head_count_kv")
-        recurrent = tuple(int(h) == 0 for h in heads[:n_layer]) if isinstance(heads, list) else (False,) * n_layer
         n_embd = int(kv.get(f"{arch}.embedding_length") or 0)
         state = 4 * n_embd * max(0, int(kv.get(f"{arch}.shortconv.l_cache") or 0) - 1)
-        return {"recurrent_layers": recurrent, "recurrent_state_bytes": state}
+        return {"recurrent_layers": no_kv_head, "recurrent_state_bytes": state}
     if arch == "kimi-linear":  # Kimi delta attention, the layers with no KV head: three short convolutions' last
         # inputs (queries, keys, values) and a head_dim x head_dim matrix a head, F32 (llama_hparams::n_embd_r/s)
-        heads = kv.get(f"{arch}.attention.head_count_kv")
-        recurrent = tuple(int(h) == 0 for h in heads[:n_layer]) if isinstance(heads, list) else (False,) * n_layer
         n_head, hd = int(kv.get(f"{arch}.attention.head_count") or 0), int(kv.get(f"{arch}.kda.head_dim") or 0)
         conv = 3 * max(0, int(kv.get(f"{arch}.ssm.conv_kernel") or 4) - 1) * n_head * hd
-        return {"recurrent_layers": recurrent, "recurrent_state_bytes": 4 * (conv + hd * hd * n_head)}
+        return {"recurrent_layers": no_kv_head, "recurrent_state_bytes": 4 * (conv + hd * hd * n_head)}
     if arch not in _HYBRID_ARCHS:
         return {}
     marked = kv.get(f"{arch}.attention.recurrent_layers")

@@ -43,8 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _RUN = RunSettings()
 PLANNERS = (*SCHEDULERS, "even", "manual")
-# llama-cpp-python's chat format for a model whose GGUF carries no chat template (its own fallback, llama-2, makes
-# these models end their reply at once)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,6 @@ class LocalNode:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
-
 def _reason(log: str) -> str:
     """A node's own account of why it stopped: its error line (argparse's and primaplug's `primaplug: error: ...`),
     else the last line of a traceback, else nothing."""
@@ -44,6 +43,7 @@ def _reason(log: str) -> str:
         if line.startswith("primaplug: error:"):
             return line.removeprefix("primaplug: error:").strip()
     return lines[-1] if lines and "Error" in lines[-1] else ""
+
 
 class LocalNodes:
     """N node processes on loopback; `with LocalNodes(...) as nodes:` stops and reaps them all on exit.

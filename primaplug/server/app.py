@@ -136,8 +136,11 @@ async def _structured_outputs(request: Request) -> None:
     """OpenAI's Structured Outputs, which llama-cpp-python's request type refuses: a `json_schema` response format is
     kept aside (request.state.json_schema) and the body validated with JSON mode in its place; the handler gives the
     Llama the original, which turns it into a grammar or refuses it naming the part (engine/structured.py: a 400)."""
+    raw = await request.body()
+    if b"json_schema" not in raw:  # most requests: parsed once, by the validation
+        return
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw)
     except ValueError:
         return  # not JSON: the validation says so
     if isinstance(body, dict) and isinstance(body.get("response_format"), dict) and \
