@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from primaplug.core.errors import ConfigError
+from primaplug.core.errors import ConfigError, ProtocolError
 from primaplug.engine import read_layout
 from primaplug.store import (
     PIECE_BYTES,
@@ -72,7 +72,9 @@ def test_the_pieces_cover_the_file_and_follow_the_units(streaming_model: Path) -
     assert needed_units(layout, [2, 3]) == {HEADER, "globals", "blk.2", "blk.3"}
     layer_bytes = sum(p.length for p in need if p.unit.startswith("blk."))
     assert tensors <= layer_bytes <= tensors * 1.001
-    assert "input" in needed_units(layout, [0])  # the first window looks tokens up
+    # the first window looks tokens up, but their rows come with them (head/embedding.py); a tied lm_head reads it all
+    assert "input" not in needed_units(layout, [0])
+    assert ("input" in needed_units(layout, [0], output=True)) == layout.output_tied
 
 
 def test_a_node_fetches_exactly_its_pieces_and_they_are_the_files(streaming_model: Path, tmp_path: Path,
@@ -96,6 +98,32 @@ def test_a_node_fetches_exactly_its_pieces_and_they_are_the_files(streaming_mode
             assert os.pread(copy.fd, n, o) == os.pread(f.fileno(), n, o)
     assert holder.served_bytes == want
     assert fetcher.fetch(copy, need) == 0  # held: nothing asked again
+
+
+def test_the_first_node_takes_the_embedding_rows_its_tokens_bring(streaming_model: Path, tmp_path: Path,
+                                                                   transport: ZmqTransport, served) -> None:
+    """A node without the token embedding holds the rows the head sent, where the file has them, and says which
+    tokens it still lacks, rather than looking them up in a hole (zeros)."""
+    _, source = served
+    layout = read_layout(streaming_model)
+    store = Store(tmp_path / "node", ROOM)
+    copy, _ = _copy(store, Fetcher(transport, source, layout.identity))
+    embd = layout.tensor("token_embd.weight")
+    row = embd.nbytes // embd.shape[1]
+    with open(streaming_model, "rb") as f:
+        def file_row(i: int) -> bytes:
+            f.seek(embd.offset + i * row)
+            return f.read(row)
+
+        assert copy.lacks_rows([3, 1, 3]) == [1, 3]
+        copy.write_rows([3], file_row(3))
+        assert copy.lacks_rows([3, 1]) == [1]
+        assert os.pread(copy.fd, row, embd.offset + 3 * row) == file_row(3)
+        with pytest.raises(ProtocolError, match="bytes of embedding rows"):
+            copy.write_rows([1, 2], file_row(1))
+        with pytest.raises(ProtocolError, match="its tokens 0"):
+            copy.write_rows([embd.shape[1]], file_row(1))
+    store.close()
 
 
 def test_a_cut_off_fetch_resumes_where_it_stopped(streaming_model: Path, tmp_path: Path, transport: ZmqTransport,
@@ -262,7 +290,10 @@ def test_fetching_over_curve_keys(streaming_model: Path, tmp_path: Path) -> None
 
 
 @pytest.mark.multiproc
-def test_nodes_without_the_file_fetch_their_windows_and_give_plains_tokens(gemma_path: Path, tmp_path: Path) -> None:
+def test_nodes_without_the_file_fetch_their_windows_and_give_plains_tokens(gemma_path: Path, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """...keep their layers once, repacked in place (no repacked copy beside them), and still hand out the file's
+    bytes."""
     import llama_cpp
 
     import primaplug
@@ -276,6 +307,7 @@ def test_nodes_without_the_file_fetch_their_windows_and_give_plains_tokens(gemma
         return sum(pieces[i].length for i in needed_pieces(layout, layers))
 
     folders = [tmp_path / "d1", tmp_path / "d2"]
+    monkeypatch.setenv("PRIMAPLUG_CACHE", str(tmp_path / "cache"))  # where a repacked copy would go
     with LocalNodes([None, None], 2, log_dir=tmp_path / "logs",
                     node_args=[["--model-dir", str(f), "--disk-budget", "1024"] for f in folders]) as nodes:
         llm = primaplug.Llama(str(gemma_path), nodes=nodes.addresses, layers=[6, 6, 6], scheduler="even", **kwargs)
@@ -284,8 +316,10 @@ def test_nodes_without_the_file_fetch_their_windows_and_give_plains_tokens(gemma
             first = [n.status().fetched_bytes for n in llm._cluster.nodes]
         finally:
             llm.close()
-        # each node fetched exactly its windows' pieces, and its disk holds about that
+        # each node fetched exactly its windows' pieces, and its disk holds about that: the first node, no token
+        # embedding (its tokens bring their rows), so well under the whole file
         assert first == [size(range(0, 6)), size(range(6, 12))]
+        assert first[0] < layout.file_size / 4
         for folder, want in zip(folders, first, strict=True):
             (copy,) = folder.glob("*.gguf")
             assert copy.stat().st_size == layout.file_size
@@ -302,6 +336,23 @@ def test_nodes_without_the_file_fetch_their_windows_and_give_plains_tokens(gemma
         moved = size(range(3, 6)) - size(range(0, 0))  # layers 3-5, without the header node 2 holds already
         assert second == [first[0], first[1] + moved]
         assert list(lacked.values()) == [0, moved]
+    for folder in folders:
+        store = Store(folder, ROOM)
+        (copy,) = store.copies.values()
+        assert not list((tmp_path / "cache").glob(f"repacked/{copy.path.stem}*"))  # the head's own copy only
+        assert copy.forms and any(copy.forms.values())  # this CPU repacks some of Gemma's weights, in the copy
+        assert copy.verify(list(copy.held)) == []  # read back as the file's bytes, every piece
+        # a layer that loses a piece (the disk budget, a failed check) is put back as the file has it
+        unit = next(u for u, tensors in copy.forms.items() if tensors)
+        plan = piece_plan(copy.layout())
+        mine = [i for i in copy.held if plan[i].unit == unit]
+        copy.drop(mine[:1])
+        assert unit not in copy.forms
+        store.close()
+        store = Store(folder, ROOM)
+        (copy,) = store.copies.values()
+        assert copy.verify(mine[1:]) == [] and not copy.missing(mine[1:])
+        store.close()
     plain = llama_cpp.Llama(str(gemma_path), **kwargs)
     want = plain(prompt, max_tokens=24, temperature=0)["choices"][0]["text"]
     assert text == want and again == want

@@ -25,6 +25,7 @@ from primaplug.wire import (
     Part,
     ProfileReply,
     RingError,
+    RingFrameError,
     Shutdown,
     Status,
     Unload,
@@ -64,9 +65,9 @@ REPLIES = [
 ACT = Activation(proto=PROTOCOL_VERSION, epoch=7, step=3, round=1, parts=(Part(0, 10, 2),), width=4,
                  dtype="float32")
 
-GOLDEN = {  # protocol 3: requests name their head (HeadTag); a node belongs to one head at a time
-    "hello": "83a46b696e64a568656c6c6fa570726f746f03a8736f667477617265a5302e312e30",
-    "act": "88a46b696e64a3616374a570726f746f03a565706f636807a47374657003a5726f756e6401a570617274739194000a02c2"
+GOLDEN = {  # protocol 4: token ids may bring embedding rows (absent from the header when there are none)
+    "hello": "83a46b696e64a568656c6c6fa570726f746f04a8736f667477617265a5302e312e30",
+    "act": "88a46b696e64a3616374a570726f746f04a565706f636807a47374657003a5726f756e6401a570617274739194000a02c2"
            "a5776964746804a56474797065a7666c6f61743332",
 }
 
@@ -93,6 +94,18 @@ def test_golden_bytes() -> None:
     assert encode_ring(ACT, np.zeros((2, 4), np.float32))[0].hex() == GOLDEN["act"]
 
 
+def test_token_ids_bring_their_embedding_rows_in_a_third_frame() -> None:
+    ids = Activation(proto=PROTOCOL_VERSION, epoch=7, step=4, round=0, parts=(Part(0, 0, 3),), width=1,
+                     dtype="int32", embd_rows=(5, 9))
+    frames = encode_ring(ids, np.array([[5], [9], [5]], np.int32), b"a" * 6 + b"b" * 6)
+    msg, rows = decode_ring([bytes(f) for f in frames])
+    assert msg == ids and len(frames) == 3 and rows[:, 0].tolist() == [5, 9, 5]
+    with pytest.raises(RingFrameError, match="3 frames"):
+        decode_ring([bytes(f) for f in frames[:2]])
+    with pytest.raises(RingFrameError, match="7 bytes of embedding rows for 2 token"):
+        decode_ring([bytes(f) for f in frames[:2]] + [b"x" * 7])
+
+
 def test_ring_messages_round_trip_without_copying_rows() -> None:
     rows = np.arange(8, dtype=np.float32).reshape(2, 4)
     frames = encode_ring(ACT, rows)
@@ -107,7 +120,7 @@ def test_ring_messages_round_trip_without_copying_rows() -> None:
 @pytest.mark.parametrize(("frames", "match"), [
     ([], "empty"),
     ([b"\xc1"], "malformed ring header"),
-    (lambda: [encode_ring(ACT, np.zeros((2, 4), np.float32))[0]], "two frames"),
+    (lambda: [encode_ring(ACT, np.zeros((2, 4), np.float32))[0]], "has 2 frames"),
     (lambda: [encode_ring(ACT, np.zeros((2, 4), np.float32))[0], b"\0" * 31], "31 bytes"),
     (lambda: encode_ring(ACT.__class__(**{**_fields(ACT), "dtype": "int32"}), np.zeros((2, 4), np.int32)),
      "width"),

@@ -344,4 +344,6 @@ class EventLines:
                 self._line(f"{event.node}: {s.steps_done} windows computed; memory {s.memory_mode}, budget "
                            f"{s.memory_budget_bytes / mib:.0f} MiB, {s.resident_bytes / mib:.1f} MiB of its windows "
                            f"resident, {s.major_faults_per_token:.0f} major faults per token, pressure "
-                           f"{s.memory_pressure:.1%}" + (f"; {s.experts.describe()}" if s.experts else ""))
+                           f"{s.memory_pressure:.1%}" + (f"; {s.experts.describe()}" if s.experts else "")
+                           + (f"; disk {s.disk_bytes / mib:.0f} of {s.disk_budget_bytes / mib:.0f} MiB (model folder)"
+                              if s.disk_budget_bytes else ""))

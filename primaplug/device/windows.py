@@ -19,6 +19,7 @@ from primaplug.memory.prefetcher import Prefetcher
 
 if TYPE_CHECKING:  # the engine's native library loads when windows do (load()), not when the head is imported
     from primaplug.engine import ContextSettings, Model, Window
+    from primaplug.engine.repacked import RepackedForms
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +103,10 @@ class DeviceWindows:
     def load(cls, path: str | os.PathLike[str], layout: ModelLayout, ranges: Sequence[LayerRange], *,
              context: ContextSettings, memory: MemorySettings | None = None, output: bool = False,
              gpu_layers: Sequence[int] = (), extra_reserved: int = 0, extra_weights: int = 0,
-             progress: Progress = lambda _f, _w: None) -> DeviceWindows:
+             progress: Progress = lambda _f, _w: None, repack_in: RepackedForms | None = None) -> DeviceWindows:
         """Plan memory for the windows of `ranges` (one per round; empty ones relay), map the model and open them.
-        `output`: this device also runs the output layer (the head)."""
+        `output`: this device also runs the output layer (the head). `repack_in`: the record of a file the caller
+        owns, whose CPU layers are repacked in place (engine/model.py)."""
         from primaplug.engine import Model
         from primaplug.engine.progress import ROUTES_READABLE
         from primaplug.engine.repacked import CHUNK_BYTES
@@ -129,7 +131,7 @@ class DeviceWindows:
         # writing the repacked copy (once) loads layers with llama.cpp's repacking on: half the budget at a time
         chunk = min(CHUNK_BYTES, max(0, plan.prefetch.budget_bytes) // 2)
         model = Model(path, used, output=output, gpu_layers=gpu_layers, layout=layout, copy_chunk_bytes=chunk,
-                      progress=lambda f, what: progress(0.05 + 0.05 * f, what))
+                      progress=lambda f, what: progress(0.05 + 0.05 * f, what), repack_in=repack_in)
         log.info("windows %s: %s", names, model.describe_kernels())
         hooks = PrefetchHooks(on_cpu, per_layer=plan.per_layer)
         experts = None

@@ -163,6 +163,13 @@ def ggml_cpu_path() -> str:
     """The CPU backend library in use: its code decides how weights are repacked (engine/repacked.py)."""
     return _ggml_cpu._name
 
+# GGML_BACKEND_API int ggml_cpu_repack_bytes(enum ggml_type type, int64_t ne0, int64_t ne1, const void * src,
+#                                           void * dst, size_t size);  (patches/0021)
+ggml_cpu_repack_bytes = _ggml_cpu.ggml_cpu_repack_bytes
+ggml_cpu_repack_bytes.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                  ctypes.c_size_t]
+ggml_cpu_repack_bytes.restype = ctypes.c_int
+
 # GGML_API struct ggml_threadpool_params ggml_threadpool_params_default(int n_threads);
 ggml_threadpool_params_default = _ggml_base.ggml_threadpool_params_default
 ggml_threadpool_params_default.argtypes = [ctypes.c_int]

@@ -28,7 +28,15 @@ from primaplug.engine import _log, _native
 from primaplug.engine.affinity import on_cpu, pinned_cpus
 from primaplug.engine.layout import ModelLayout, read_layout
 from primaplug.engine.progress import LayerProgress, OnRoute
-from primaplug.engine.repacked import CHUNK_BYTES, RepackedCopy, needs_copy, repacked_copy
+from primaplug.engine.repacked import (
+    CHUNK_BYTES,
+    RepackedCopy,
+    RepackedForms,
+    can_repack_in_place,
+    needs_copy,
+    repack_in_place,
+    repacked_copy,
+)
 
 # ggml's polling level (llama.cpp's own default) for compute threads that are about to be given work: windows
 # chained in one process, and a node's window from the moment its input arrives. Whoever sets it pauses the pool
@@ -149,6 +157,8 @@ class Model:
         layout: the file's layout when the caller has already read it (read from the header otherwise).
         progress: told (fraction, what) how writing the repacked copy goes, when it must be written.
         copy_chunk_bytes: layers loaded at a time to write the repacked copy: the anonymous memory that takes.
+        repack_in: the record of a file the caller owns (a node's fetched copy, store/copy.py): its CPU layers are
+            repacked in that file itself rather than in a copy beside it, so the layers take disk once.
     """
 
     def __init__(
@@ -162,6 +172,7 @@ class Model:
         layout: ModelLayout | None = None,
         progress: Callable[[float, str], None] | None = None,
         copy_chunk_bytes: int = CHUNK_BYTES,
+        repack_in: RepackedForms | None = None,
     ) -> None:
         self.path = os.fspath(path)
         self.layout: ModelLayout = layout or read_layout(self.path)
@@ -181,7 +192,12 @@ class Model:
         cpu_layers = self.layers - gpu
         self.repack = repack
         self.copy: RepackedCopy | None = None
-        if repack and needs_copy(self.layout, cpu_layers, output):
+        if not (repack and needs_copy(self.layout, cpu_layers, output)):
+            pass
+        elif repack_in is not None and can_repack_in_place(self.layout, cpu_layers, output):
+            self.copy = repack_in_place(self.layout, repack_in, cpu_layers, gpu, output=output, progress=progress,
+                                        chunk_bytes=copy_chunk_bytes)
+        else:
             self.copy = repacked_copy(self.layout, cpu_layers, gpu, output=output, progress=progress,
                                       chunk_bytes=copy_chunk_bytes)
         self.source = self.copy.path if self.copy else self.path  # the file mapped: prefetch and release this one
@@ -208,7 +224,8 @@ class Model:
         if not self.copy.repacked:
             return (f"mapped from {self.copy.path}, which holds them as the file does: llama.cpp repacks none of them "
                     "on this CPU")
-        return (f"mapped from the repacked copy {self.copy.path} ({self.copy.repacked_bytes / 2**20:.0f} MiB "
+        where = "the file, repacked in place" if self.copy.path == self.path else f"the repacked copy {self.copy.path}"
+        return (f"mapped from {where} ({self.copy.repacked_bytes / 2**20:.0f} MiB "
                 "repacked as plain llama.cpp repacks them on this CPU, so with its kernels)")
 
     def _copied_bytes(self) -> int:

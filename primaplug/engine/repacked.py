@@ -23,6 +23,11 @@ The repacked bytes come from llama.cpp itself: the missing layers are loaded wit
 at a time, and every weight it repacked is written out (llama_model_repacked_tensors). So the choice of which
 tensors repack, and how, stays llama.cpp's, on this CPU and this build. The copy is named by the model's identity
 and by the engine (the CPU backend library and the CPU features it saw), so another build or CPU writes its own.
+
+A node's copy of layers it fetched (store/copy.py) is its own file, not the user's: there the layers are repacked in
+place (repack_in_place), and the node keeps one copy on disk. Repacking only moves bits, which engine/unrepack.py
+undoes exactly, so the node still hands peers, and its own checks, the file's bytes. The record of which layers
+are repacked there, and under which layout, is the caller's (RepackedForms).
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
+import numpy as np
 from llama_cpp import llama_cpp as _ll
 
 from primaplug.core.errors import EngineError
@@ -56,6 +63,7 @@ from primaplug.engine.layout import (
     unit_tensors,
     units_for,
 )
+from primaplug.engine.unrepack import layout_for, repacks, undo_range
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +98,15 @@ class RepackedCopy:
     built_bytes: int  # written by this call (0 when everything was there)
 
 
+class RepackedForms(Protocol):
+    """A file whose CPU layers are repacked in place: for each unit stored repacked, its repacked tensors, each with
+    the key of the RepackLayout it was repacked under (a unit that is not there holds the file's bytes)."""
+
+    forms: dict[str, dict[str, str]]
+
+    def save(self) -> None: ...
+
+
 def needs_copy(layout: ModelLayout, cpu_layers: Iterable[int], output: bool) -> bool:
     """Whether any weight these CPU layers (or the output layer) run might be repacked."""
     units = units_for(layout, cpu_layers, (), output)
@@ -120,6 +137,66 @@ def repacked_copy(layout: ModelLayout, cpu_layers: Iterable[int], gpu_layers: It
     names = frozenset(n for u in units for n in manifest["units"][u])
     sizes = {t.name: t.nbytes for u in units for t in unit_tensors(layout, u)}
     return RepackedCopy(os.fspath(path), names, sum(sizes[n] for n in names), built)
+
+
+def can_repack_in_place(layout: ModelLayout, cpu_layers: Iterable[int], output: bool) -> bool:
+    """Whether every weight of these units this engine may repack can be put back exactly (engine/unrepack.py)."""
+    units = [u for u in units_for(layout, cpu_layers, (), output) if _runs_on_cpu(u)]
+    return all(layout_for(t) is not None for u in units for t in unit_tensors(layout, u) if repacks(t))
+
+
+def repack_in_place(layout: ModelLayout, forms: RepackedForms, cpu_layers: Iterable[int],
+                    gpu_layers: Iterable[int] = (), *, output: bool, progress: Progress | None = None,
+                    chunk_bytes: int = CHUNK_BYTES) -> RepackedCopy:
+    """Repack these CPU layers (and the output layer) in `layout`'s own file, and put its GPU layers back as the
+    model file has them: the file then serves as its own repacked copy. Only for a file the caller owns and no other
+    process maps (a node's fetched copy); can_repack_in_place must hold. The caller's record is saved after each
+    change, so that a crash leaves at worst pieces whose hash fails and which are fetched again."""
+    units = units_for(layout, cpu_layers, gpu_layers, output)
+    fd = os.open(layout.path, os.O_RDWR)
+    built = 0
+    try:
+        for unit in [u[:-4] for u in units if u.endswith(".raw") and u[:-4] in forms.forms]:
+            undo_in_place(layout, fd, unit, forms.forms.pop(unit))
+            forms.save()
+        missing = [u for u in units if _runs_on_cpu(u) and u not in forms.forms]
+        total = sum(t.nbytes for u in missing for t in unit_tensors(layout, u))
+        for chunk in _chunks(layout, missing, chunk_bytes):
+            (progress or (lambda _f, _w: None))(built / max(total, 1), f"repacking {_describe(chunk)} for this CPU "
+                                                                       "in place (once)")
+            spans = {t.name: t for u in chunk for t in unit_tensors(layout, u)}
+            keys = _repack(layout, chunk, spans, fd, in_place=True)
+            os.fsync(fd)
+            for u in chunk:
+                forms.forms[u] = {t.name: keys[t.name] for t in unit_tensors(layout, u) if t.name in keys}
+            forms.save()
+            built += sum(t.nbytes for t in spans.values())
+    finally:
+        os.close(fd)
+    names = frozenset(n for u in units for n in forms.forms.get(u, ()))
+    sizes = {t.name: t.nbytes for u in units for t in unit_tensors(layout, u)}
+    return RepackedCopy(layout.path, names, sum(sizes[n] for n in names), built)
+
+
+def undo_in_place(layout: ModelLayout, fd: int, unit: str, tensors: dict[str, str]) -> None:
+    """Put a unit's repacked tensors back as the model file has them (`tensors`: name -> layout key)."""
+    for t in unit_tensors(layout, unit):
+        key = tensors.get(t.name)
+        if key is None:
+            continue
+        lay = layout_for(t)
+        if lay is None or lay.key != key:
+            raise EngineError(f"{t.name} was repacked by another engine or CPU; it cannot be put back")
+        for o in range(t.offset, t.end, _SLICE):
+            raw = undo_range(t, lay, lambda off, n: _pread_all(fd, off, n), o, min(t.end, o + _SLICE))
+            os.pwrite(fd, raw.tobytes(), o)
+
+
+def _pread_all(fd: int, offset: int, n: int) -> np.ndarray:
+    data = os.pread(fd, n, offset)
+    if len(data) != n:
+        raise EngineError(f"the model file ended at byte {offset + len(data)}, inside a tensor: is it truncated?")
+    return np.frombuffer(data, np.uint8)
 
 
 def copy_path(layout: ModelLayout, gpu_layers: Iterable[int] = (), folder: Path | None = None) -> Path:
@@ -240,33 +317,55 @@ def _chunks(layout: ModelLayout, units: list[str], chunk_bytes: int) -> Iterator
         yield chunk
 
 
-def _repack(layout: ModelLayout, units: list[str], spans: dict[str, TensorSpan], fd_out: int) -> set[str]:
-    """Load these units with llama.cpp's repacking on and write each weight it repacked into the copy."""
+def _repack(layout: ModelLayout, units: list[str], spans: dict[str, TensorSpan], fd_out: int, *,
+            in_place: bool = False) -> dict[str, str]:
+    """Load these units with llama.cpp's repacking on and write each weight it repacked into the copy; returns
+    their names, each with its RepackLayout's key when `in_place` (each is checked to undo exactly, before any is
+    written over the file's bytes)."""
     n_all = layout.n_layer_all
     placement = (ctypes.c_uint8 * (n_all + 1))()
     for u in filter(_runs_on_cpu, units):
         placement[n_all if u == OUTPUT else int(u[4:])] = _native.LLAMA_WINDOW_PLACEMENT_CPU
     if not any(placement):
-        return set()  # raw units only
-    written: set[str] = set()
+        return {}  # raw units only
+    got: list[tuple[TensorSpan, memoryview]] = []
 
     def on_tensor(name: bytes, data: int, size: int, _user: object) -> None:
         span = spans.get(name.decode())
         if span is None or span.nbytes != size:  # not ours, or a tied lm_head's copy of the token embedding
             return
-        view = (ctypes.c_char * size).from_address(data)
-        offset, mv = 0, memoryview(view).cast("B")
-        while offset < size:
-            offset += os.pwrite(fd_out, mv[offset:], span.offset + offset)
-        written.add(span.name)
+        got.append((span, memoryview((ctypes.c_char * size).from_address(data)).cast("B")))
 
     callback = _native.llama_repacked_tensor_callback(on_tensor)
     ptr = _native.load_for_windows(layout.path, placement, repack=True, purpose="to repack it")
     try:
         _native.llama_model_repacked_tensors(ptr, callback, None)
+        keys = {span.name: _check_undo(span, mv, fd_out) if in_place else "" for span, mv in got}
+        for span, mv in got:  # the views live as long as the model
+            offset = 0
+            while offset < span.nbytes:
+                offset += os.pwrite(fd_out, mv[offset:], span.offset + offset)
     finally:
         _ll.llama_model_free(ptr)
-    return written
+    return keys
+
+
+_SLICE = 8 << 20  # bytes undone at a time (whole tiles are read around each slice)
+
+
+def _check_undo(span: TensorSpan, repacked: memoryview, fd: int) -> str:
+    """The key of the layout that undoes this tensor's repacked bytes into the file's, checked on every byte."""
+    lay = layout_for(span)
+    if lay is None:
+        raise EngineError(f"llama.cpp repacked {span.name} ({span.type_name}), which engine/unrepack.py cannot undo")
+    data = np.frombuffer(repacked, np.uint8)
+    for o in range(span.offset, span.end, _SLICE):
+        end = min(span.end, o + _SLICE)
+        mine = undo_range(span, lay, lambda off, n: data[off - span.offset:off - span.offset + n], o, end)
+        if not np.array_equal(mine, _pread_all(fd, o, end - o)):
+            raise EngineError(f"{span.name} ({span.type_name}): its repacked bytes do not undo into the file's; "
+                              "it is not repacked in place")
+    return lay.key
 
 
 def _copy_range(fd_in: int, fd_out: int, offset: int, n: int) -> None:

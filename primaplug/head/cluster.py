@@ -24,6 +24,7 @@ from primaplug.core.settings import LOAD_TIMEOUT_S, RunSettings
 from primaplug.core.windows import LayerRange, even_split, execution_order, ring_windows
 from primaplug.device import DeviceWindows
 from primaplug.engine import ModelLayout
+from primaplug.head.embedding import EmbeddingRows
 from primaplug.head.events import Deployed, Events, NodeMetrics, NodeProgress, Notice
 from primaplug.head.identity import Head
 from primaplug.head.nodes import NodeClient
@@ -436,7 +437,18 @@ class Cluster:
             out = self.transport.ring_out(self.settings.link(HEAD, self._ring_endpoint(0)))
             self._outs.append(out)
         return RingHead(self.nodes, self.ring_in, out, self.epoch, local, len(self.head_ranges), self.model.n_layer,
-                        self.model.n_embd, self.settings.timeout_s)
+                        self.model.n_embd, self.settings.timeout_s, self._embedding())
+
+    def _embedding(self) -> EmbeddingRows | None:
+        """The token embedding's rows for the node that runs layer 0, when it fetched its layers (it has none)."""
+        first = next((n for n, ranges in zip(self.nodes, self.node_ranges, strict=True)
+                      if ranges and ranges[0].start == 0 and ranges[0].n_layers), None)
+        w = first.welcome if first is not None else None
+        if (w is None or self.holder is None or self.layout is None
+                or self.model.identity in {m.identity for m in w.models}
+                or self.layout.tensor("token_embd.weight") is None):
+            return None
+        return EmbeddingRows(self.holder.file.fd, self.layout)
 
     # --- re-forming: nodes lost or joined (head/recovery.py) ------------------------------------------------------
 

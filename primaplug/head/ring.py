@@ -17,6 +17,7 @@ import numpy as np
 from primaplug.core.errors import NodeError, NodeUnavailableError, ProtocolError
 from primaplug.core.settings import TIMEOUT_S
 from primaplug.device import DeviceWindows
+from primaplug.head.embedding import EmbeddingRows
 from primaplug.head.nodes import NodeClient
 from primaplug.transport import RingIn, RingOut
 from primaplug.wire import (
@@ -40,7 +41,7 @@ class RingHead:
 
     def __init__(self, nodes: Sequence[NodeClient], ring_in: RingIn | None, ring_out: RingOut | None, epoch: int,
                  local: DeviceWindows | None, rounds: int, n_layer: int, n_embd: int,
-                 timeout_s: float = TIMEOUT_S) -> None:
+                 timeout_s: float = TIMEOUT_S, embedding: EmbeddingRows | None = None) -> None:
         self.nodes = list(nodes)
         self.ring_in, self.ring_out = ring_in, ring_out
         self.epoch = epoch
@@ -48,6 +49,7 @@ class RingHead:
         self.rounds = rounds
         self.n_layer, self.n_embd = n_layer, n_embd
         self.timeout_s = timeout_s
+        self.embedding = embedding  # the first node fetched its layers: its tokens bring their embedding rows
 
     @property
     def has_nodes(self) -> bool:
@@ -64,7 +66,10 @@ class RingHead:
     def send(self, msg: RingMessage, rows: np.ndarray | None, what: str) -> None:
         """Hand a message to the first node."""
         assert self.ring_out is not None
-        if not self.ring_out.send(encode_ring(msg, rows), self.timeout_s):
+        embd = b""
+        if self.embedding is not None and isinstance(msg, Activation) and msg.dtype == "int32" and rows is not None:
+            msg, embd = self.embedding.attach(msg, rows[:, 0])
+        if not self.ring_out.send(encode_ring(msg, rows, embd), self.timeout_s):
             raise NodeUnavailableError(self.nodes[0].name, f"node {self.nodes[0]} did not take step {msg.step} "
                                        f"({what}) within {self.timeout_s:.1f} s")
 
@@ -80,6 +85,8 @@ class RingHead:
             if isinstance(got, RingError):
                 log.warning("node %s reported: %s", got.node, got.message)
             return None
+        if self.embedding is not None:
+            self.embedding.returned(got.step, ok=not isinstance(got, RingError))
         return got, out
 
     def local_round(self, r: int, msg: Activation, rows: np.ndarray) -> tuple[Activation, np.ndarray]:

@@ -349,6 +349,9 @@ class Node:
                         activity=self._activity, last_step=self._last_step, steps_done=self._steps_done,
                         busy_s=self._busy_s, kv_positions=self._kv_positions, holder=self._owner.holder(),
                         fetched_bytes=self._fetched_bytes, fetch_s=self._fetch_s)
+        if self._store is not None:
+            status = msgspec.structs.replace(status, disk_bytes=self._store.disk_bytes(),
+                                             disk_budget_bytes=self._store.budget_bytes)
         dep = self._deployment
         if detail and dep is not None and dep.prefetcher is not None:
             p = dep.prefetcher
@@ -479,6 +482,7 @@ class Node:
             self._status = Status(node=self.name, state="failed", epoch=a.epoch, message=message)
 
         t0 = time.perf_counter()
+        copy: SparseCopy | None = None
         if held is not None:
             path, layout = held.path, self._models[a.model.identity][1]
         else:  # fetched while the windows loaded before keep running
@@ -495,7 +499,8 @@ class Node:
                 if held is not None:
                     held.check()
                 self._deployment = Deployment.load(a, path, layout, self.transport, progress,
-                                                   self.settings.memory, pin_threads=self.settings.pin_threads)
+                                                   self.settings.memory, pin_threads=self.settings.pin_threads,
+                                                   copy=copy)
                 if held is not None:
                     held.check()  # where readers go by name, it must still have named the held file
             except Exception as e:
@@ -507,8 +512,10 @@ class Node:
             # still under the lock, so that an Unload cannot slip in between and be overwritten
             self._status = Status(node=self.name, state="ready", epoch=a.epoch, progress=1.0, message="ready")
             self._contact = time.monotonic()  # a slow load is not silence
-        log.info("assignment %d loaded in %.2f s: windows %s, successor %s", a.epoch, time.perf_counter() - t0,
-                 [(w.start, w.end) for w in a.windows], a.successor)
+        log.info("assignment %d loaded in %.2f s: windows %s, successor %s%s", a.epoch, time.perf_counter() - t0,
+                 [(w.start, w.end) for w in a.windows], a.successor,
+                 f"; the model folder takes {self._store.disk_bytes() / 2**20:.0f} of its "
+                 f"{self._store.budget_bytes / 2**20:.0f} MiB on disk" if self._store is not None else "")
 
     # --- ring ----------------------------------------------------------------------------------------------
 
@@ -563,7 +570,7 @@ class Node:
                 self._activity = (f"computing step {msg.step} round {msg.round}: {msg.n_rows} row(s) of "
                                   f"{len(msg.parts)} sequence(s)")
                 t0 = time.perf_counter()
-                out = dep.run(msg, rows)  # type: ignore[arg-type]
+                out = dep.run(msg, rows, frames[2] if msg.embd_rows else b"")  # type: ignore[arg-type]
                 self._busy_s += time.perf_counter() - t0
                 self._last_step, self._steps_done = msg.step, self._steps_done + 1
             elif isinstance(msg, KvOp):
@@ -583,7 +590,9 @@ class Node:
             out = (RingError(proto=PROTOCOL_VERSION, epoch=epoch, step=step, node=self.name, code="bad_message",
                              message=message), None)
         self._activity = f"sending step {out[0].step} to {dep.out.address}"
-        if not dep.out.send(encode_ring(*out), self.settings.send_timeout_s):
+        # a relay passes the embedding rows on to the node that runs layer 0
+        embd = frames[2] if isinstance(out[0], Activation) and out[0].embd_rows else b""
+        if not dep.out.send(encode_ring(*out, embd), self.settings.send_timeout_s):
             log.error("successor %s did not take step %d within %.1f s; dropped it", dep.out.address, out[0].step,
                       self.settings.send_timeout_s)
         if isinstance(out[0], Activation):

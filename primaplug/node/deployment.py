@@ -8,6 +8,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,6 +20,9 @@ from primaplug.engine.affinity import on_cpu
 from primaplug.memory.prefetcher import Prefetcher
 from primaplug.transport import RingOut, Transport
 from primaplug.wire import Activation, Assignment, ExpertTraffic, KvOp, window_output
+
+if TYPE_CHECKING:
+    from primaplug.store import SparseCopy
 
 log = logging.getLogger(__name__)
 
@@ -39,25 +43,26 @@ class Deployment:
     device: DeviceWindows
     out: RingOut
     n_layer: int
+    copy: SparseCopy | None = None  # the fetched copy it runs from (None: a whole file the node was given)
 
     @classmethod
     def load(cls, assignment: Assignment, path: str, layout: ModelLayout, transport: Transport,
              progress: Callable[[float, str], None], memory: MemorySettings | None = None,
-             pin_threads: bool | None = None) -> Deployment:
+             pin_threads: bool | None = None, copy: SparseCopy | None = None) -> Deployment:
         a = assignment
         ranges = [LayerRange(w.start, w.end) for w in a.windows]
         gpu = [il for w in a.windows for il in range(w.start, w.start + w.gpu_layers)]
         context = ContextSettings(n_ctx=a.n_ctx, n_batch=a.n_batch, n_ubatch=a.n_ubatch, n_threads=a.n_threads,
                                   n_seq_max=a.n_seq_max, poll=BUSY_POLL, pin_threads=pin_threads)
         device = DeviceWindows.load(path, layout, ranges, context=context, memory=planned_room(memory, a.stream_room),
-                                    gpu_layers=gpu, progress=progress)
+                                    gpu_layers=gpu, progress=progress, repack_in=copy)
         try:
             device.warm_up()
             out = transport.ring_out(a.successor)
         except BaseException:
             device.close()
             raise
-        return cls(a, device, out, layout.n_layer)
+        return cls(a, device, out, layout.n_layer, copy)
 
     @property
     def epoch(self) -> int:
@@ -78,9 +83,17 @@ class Deployment:
                              bytes_chosen=s.bytes_needed, bytes_read=s.bytes_read,
                              bytes_predicted_unused=s.bytes_predicted_unused)
 
-    def run(self, msg: Activation, rows: np.ndarray) -> tuple[Activation, np.ndarray]:
-        """Compute this node's window of the message's round; returns what goes to the successor."""
+    def run(self, msg: Activation, rows: np.ndarray, embd: bytes | memoryview = b"") -> tuple[Activation, np.ndarray]:
+        """Compute this node's window of the message's round; returns what goes to the successor. `embd`: the
+        token embedding's rows of msg.embd_rows (wire/ring.py)."""
         window = self.device.window(msg.round)
+        if window is not None and window.takes_tokens and self.copy is not None:
+            if msg.embd_rows:
+                self.copy.write_rows(msg.embd_rows, embd)
+            lacking = self.copy.lacks_rows(rows[:, 0])
+            if lacking:
+                raise ProtocolError(f"token(s) {lacking[:8]}: this node fetched no token embedding, and their rows "
+                                    "came with no message: the head must send them (wire/ring.py)")
         # wake the compute threads first: their wake-up overlaps with checking the message and building the
         # graph (they poll until the work comes). On the core this thread computes on, if the threads are pinned,
         # so that a woken thread never spins on the core this thread is still running on.

@@ -5,6 +5,10 @@ reads as zeros), and a record of the pieces it holds and when each was last used
 identity, never from a peer: `<hash>-<size>.gguf` and `<hash>-<size>.pieces`, opened without following links, so a
 node writes nowhere but its folder. Pieces it no longer runs stay while the budget allows and go oldest first
 (their bytes handed back to the file system: fallocate's punch-hole).
+
+The layers a node runs on its CPU are repacked in the copy itself (engine/repacked.py: repack_in_place), so they
+take disk once. The copy's record says which; reading a piece for a peer or for a check undoes the repacking
+(engine/unrepack.py), so what leaves the copy is always the file's bytes, held to the manifest.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import msgspec
 
-from primaplug.core.errors import ConfigError, ModelFormatError, PrimaplugError
-from primaplug.engine import ModelLayout, read_layout
+from primaplug.core.errors import ConfigError, ModelFormatError, PrimaplugError, ProtocolError
+from primaplug.engine import ModelLayout, TensorSpan, read_layout
+from primaplug.engine.layout import INPUT, unit_tensors
 from primaplug.memory.system import fd_path
 from primaplug.store.manifest import IDENTITY, check_identity, check_manifest, piece_plan
 from primaplug.wire import Manifest
@@ -43,6 +48,7 @@ class _Record(msgspec.Struct):
     file_name: str  # the head's name for the file, for people
     manifest: bytes  # the Manifest, encoded as it came (its digest is the head's word for it)
     held: dict[int, float]  # piece index -> Unix time it was last written or loaded
+    forms: dict[str, dict[str, str]] = msgspec.field(default_factory=dict)  # units repacked in place (RepackedForms)
 
 
 def _stem(identity: str) -> str:
@@ -53,8 +59,11 @@ def _stem(identity: str) -> str:
 class SparseCopy:
     """One model's copy in a folder: which pieces it holds, writing and reading them, dropping them."""
 
-    def __init__(self, folder: Path, manifest: Manifest, file_name: str, held: dict[int, float] | None = None) -> None:
+    def __init__(self, folder: Path, manifest: Manifest, file_name: str, held: dict[int, float] | None = None,
+                 forms: dict[str, dict[str, str]] | None = None) -> None:
         self.manifest, self.file_name = manifest, file_name
+        self.forms: dict[str, dict[str, str]] = dict(forms or {})  # units repacked in place: tensor -> layout key
+        self.rows: set[int] = set()  # token embedding rows written since the process started (write_rows)
         self.path = folder / f"{_stem(manifest.model)}.gguf"
         self._record_path = self.path.with_suffix(".pieces")
         self.held: dict[int, float] = dict(held or {})
@@ -121,7 +130,52 @@ class SparseCopy:
                                        f"{self.identity}")
             check_manifest(self.manifest, layout)
             self._layout = layout
+            self._check_forms()
         return self._layout
+
+    def _check_forms(self) -> None:
+        """Forget the units repacked in place under a layout this engine does not undo (another engine or CPU
+        repacked them): their pieces are fetched again."""
+        from primaplug.engine.unrepack import layout_for
+
+        layout = self.layout()
+        stale = [u for u, tensors in self.forms.items() for t in unit_tensors(layout, u)
+                 if t.name in tensors and ((lay := layout_for(t)) is None or lay.key != tensors[t.name])]
+        if stale:
+            log.warning("%s: %d layer(s) were repacked by another engine or CPU; fetching them again",
+                        self.file_name, len(set(stale)))
+            for u in set(stale):
+                del self.forms[u]
+            self.drop([i for i, p in enumerate(piece_plan(layout)) if p.unit in stale])
+
+    # --- the token embedding's rows, sent by the head with the tokens (head/embedding.py) ---------------------
+
+    def _embedding(self) -> TensorSpan | None:
+        """The token embedding, when the copy does not hold it whole (its rows come one by one)."""
+        t = self.layout().tensor("token_embd.weight")
+        return None if t is None or INPUT in self.held_units() else t
+
+    def write_rows(self, ids: Sequence[int], data: bytes | memoryview) -> None:
+        """Store the token embedding's rows of these ids, as the head's file holds them."""
+        t = self._embedding()
+        if t is None:
+            return
+        n_vocab = t.shape[1]
+        row = t.nbytes // n_vocab
+        if len(data) != row * len(ids) or not all(0 <= i < n_vocab for i in ids):
+            raise ProtocolError(f"{len(data)} bytes of embedding rows for {len(ids)} token(s): this model's rows are "
+                                f"{row} bytes, its tokens 0..{n_vocab - 1}")
+        mv = memoryview(data)
+        for k, i in enumerate(ids):
+            os.pwrite(self.fd, mv[k * row:(k + 1) * row], t.offset + i * row)
+        self.rows.update(ids)
+        self._stamp = self._now_stamp()
+
+    def lacks_rows(self, ids: Iterable[int]) -> list[int]:
+        """The tokens among `ids` whose embedding row the copy has not been sent."""
+        if self._embedding() is None:
+            return []
+        return sorted({int(i) for i in ids} - self.rows)
 
     # --- writing, reading, checking -------------------------------------------------------------------------
 
@@ -133,16 +187,43 @@ class SparseCopy:
         self._stamp = self._now_stamp()
 
     def read(self, index: int) -> bytes:
-        """A piece it holds, for a peer."""
-        return os.pread(self.fd, self.manifest.lengths[index], self.manifest.offsets[index])
+        """A piece it holds as the model file has it, for a peer or a check."""
+        offset = self.manifest.offsets[index]
+        data = os.pread(self.fd, self.manifest.lengths[index], offset)
+        if not self.forms or offset < self.manifest.header_bytes:
+            return data
+        from primaplug.engine.unrepack import layout_for, undo_range
+
+        raw: bytearray | None = None
+        end = offset + len(data)
+        for span, key in self._repacked():
+            if span.end <= offset or span.offset >= end:
+                continue
+            lay = layout_for(span)
+            if lay is None or lay.key != key:  # _check_forms dropped those: the hash will fail, as it should
+                continue
+            a, b = max(offset, span.offset), min(end, span.end)
+            if raw is None:
+                raw = bytearray(data)
+            raw[a - offset:b - offset] = undo_range(span, lay, self._pread, a, b).tobytes()
+        return data if raw is None else bytes(raw)
+
+    def _pread(self, offset: int, n: int) -> bytes:
+        return os.pread(self.fd, n, offset)
+
+    def _repacked(self) -> list[tuple[TensorSpan, str]]:
+        layout = self.layout()
+        return [(t, tensors[t.name]) for u, tensors in list(self.forms.items()) for t in unit_tensors(layout, u)
+                if t.name in tensors]
 
     def save(self) -> None:
         """Write the record of what it holds (after the pieces' bytes are on the disk, so that a crash never
         leaves a record of bytes that are not)."""
         (os.fdatasync if hasattr(os, "fdatasync") else os.fsync)(self.fd)
+        self._stamp = self._now_stamp()  # its own writes (pieces, repacking in place) need no check again
         tmp = self._record_path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_bytes(msgspec.msgpack.encode(_Record(self.file_name, msgspec.msgpack.encode(self.manifest),
-                                                       self.held)))
+                                                       self.held, self.forms)))
         os.replace(tmp, self._record_path)
 
     def verify(self, indices: Iterable[int]) -> list[int]:
@@ -172,8 +253,23 @@ class SparseCopy:
                 self.held[i] = now
 
     def drop(self, indices: Iterable[int]) -> None:
-        """Forget these pieces and hand their bytes back to the file system."""
-        for i in list(indices):
+        """Forget these pieces and hand their bytes back to the file system. A layer repacked in place that loses a
+        piece is first put back as the file has it, so that the pieces it keeps and those fetched again agree."""
+        indices = list(indices)
+        if self.forms:
+            from primaplug.engine.repacked import undo_in_place
+
+            try:
+                layout = self.layout()
+            except (PrimaplugError, OSError):  # its header is gone: nothing says where its layers are; drop them all
+                self.forms.clear()
+                indices = [i for i in self.held if self.manifest.offsets[i] >= self.manifest.header_bytes] + indices
+            else:
+                plan = piece_plan(layout)
+                for unit in {plan[i].unit for i in indices} & set(self.forms):
+                    undo_in_place(layout, self.fd, unit, self.forms.pop(unit))
+                    self.save()
+        for i in indices:
             if self.held.pop(i, None) is not None:
                 _punch(self.fd, self.manifest.offsets[i], self.manifest.lengths[i])
             self._verified.discard(i)
@@ -224,7 +320,7 @@ class Store:
             if not IDENTITY.match(manifest.model) or record.stem != _stem(manifest.model):
                 raise ValueError(f"it names model {manifest.model[:80]}")
             held = {i: t for i, t in rec.held.items() if 0 <= i < len(manifest.offsets)}
-            return SparseCopy(self.folder, manifest, rec.file_name, held)
+            return SparseCopy(self.folder, manifest, rec.file_name, held, rec.forms)
         except (OSError, ValueError, msgspec.DecodeError, msgspec.ValidationError) as e:
             log.warning("ignoring %s in the model folder: %s", record.name, e)
             return None
@@ -232,6 +328,10 @@ class Store:
     @property
     def held_bytes(self) -> int:
         return sum(c.held_bytes for c in self.copies.values())
+
+    def disk_bytes(self) -> int:
+        """What the copies take on disk: their pieces, and the token embedding's rows the head sent."""
+        return sum(c.disk_bytes() for c in self.copies.values())
 
     def copy(self, manifest: Manifest, file_name: str) -> SparseCopy:
         """The copy of the manifest's model, made (empty) if the folder has none. A copy kept under another

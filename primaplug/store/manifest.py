@@ -75,8 +75,11 @@ def piece_plan(layout: ModelLayout) -> list[Piece]:
 
 
 def needed_units(layout: ModelLayout, layers: Iterable[int], output: bool = False) -> set[str]:
-    """The units a device running these layers reads (the engine's own rule, units_for), and the header."""
-    return {HEADER, *units_for(layout, layers, (), output)}
+    """The units a device running these layers fetches: those it reads (the engine's own rule, units_for) and the
+    header, but not the token embedding for layer 0: a token reads one row of it, which the head sends with the
+    token (head/embedding.py). A tied lm_head reads it whole."""
+    units = {HEADER, *units_for(layout, layers, (), output)}
+    return units if output and layout.output_tied else units - {INPUT}
 
 
 def needed_pieces(layout: ModelLayout, layers: Iterable[int], output: bool = False) -> list[int]:

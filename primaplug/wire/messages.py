@@ -16,7 +16,8 @@ import msgspec
 from primaplug.core.errors import ProtocolError
 from primaplug.core.profiles import DeviceProfile
 
-PROTOCOL_VERSION = 3  # 2: activations carry parts of several sequences; 3: requests name their head (HeadTag)
+PROTOCOL_VERSION = 4  # 2: activations carry parts of several sequences; 3: requests name their head (HeadTag);
+# 4: token ids bring the embedding rows a fetching first node lacks
 
 
 class _Msg(msgspec.Struct, frozen=True, tag_field="kind", forbid_unknown_fields=False):
@@ -274,6 +275,8 @@ class Status(_Msg, tag="status_reply"):
     holder: Holder | None = None  # the head the node belongs to; None: free (none, or its lease lapsed)
     fetched_bytes: int = 0  # of model pieces this node fetched into its model folder since it started
     fetch_s: float = 0.0  # seconds its last fetch of windows' pieces took
+    disk_bytes: int = 0  # what the model folder's copies take on disk (their holes take nothing)
+    disk_budget_bytes: int = 0  # what they may take (--disk-budget); 0: the node keeps no folder
 
 
 class ProfileReply(_Msg, tag="profile_reply"):

@@ -1,9 +1,11 @@
 """Ring messages: what travels from each device to the next.
 
 An Activation is two frames: a msgpack header and the raw little-endian rows (int32 token ids before the
-first layer, float32 hidden states after it), sent without copying. Its rows are one or more parts, each a run of
-consecutive positions of one sequence: the head batches the steps of several requests (continuous batching), and
-every window computes them in one call. KV operations and errors travel the same
+first layer, float32 hidden states after it), sent without copying. Token ids may bring a third: the token
+embedding's rows, as the model file stores them, of the ids the first node may lack (a node that fetched its layers
+holds no embedding; the head sends each row it has not yet seen arrive: head/embedding.py). Its rows are one or
+more parts, each a run of consecutive positions of one sequence: the head batches the steps of several requests
+(continuous batching), and every window computes them in one call. KV operations and errors travel the same
 way, header only, so they stay in order with the activations: every node applies a KvOp to all its windows and
 passes it on; a node that cannot serve a message passes a RingError on instead, and the head raises it.
 """
@@ -40,13 +42,14 @@ class Part(msgspec.Struct, frozen=True, array_like=True):
     all_rows: bool = False
 
 
-class Activation(_RingMsg, tag="act"):
+class Activation(_RingMsg, tag="act", omit_defaults=True):  # no embedding rows: nothing on the wire
     """Rows entering round `round`: the parts' rows one after the other (at most one part per sequence)."""
 
     round: int
     parts: tuple[Part, ...]
     width: int  # 1 for token ids, n_embd for hidden states
     dtype: Literal["int32", "float32"]
+    embd_rows: tuple[int, ...] = ()  # token ids whose embedding rows follow, in this order, in a third frame
 
     @property
     def n_rows(self) -> int:
@@ -106,14 +109,17 @@ _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(RingMessage)
 
 
-def encode_ring(msg: RingMessage, rows: np.ndarray | None = None) -> list[bytes | memoryview]:
-    """The frames of a ring message. Activations carry their rows as a second frame (a view, not a copy)."""
+def encode_ring(msg: RingMessage, rows: np.ndarray | None = None, embd: bytes = b"") -> list[bytes | memoryview]:
+    """The frames of a ring message. Activations carry their rows as a second frame (a view, not a copy), and the
+    embedding rows of msg.embd_rows as a third."""
     frames: list[bytes | memoryview] = [_enc.encode(msg)]
     if isinstance(msg, Activation):
         if rows is None:
             raise ValueError("an Activation needs its rows")
         arr = np.ascontiguousarray(rows, dtype=DTYPES[msg.dtype])
         frames.append(memoryview(arr).cast("B") if arr.size else b"")
+        if msg.embd_rows:
+            frames.append(embd)
     return frames
 
 
@@ -151,8 +157,13 @@ def decode_ring(frames: list[bytes | memoryview]) -> tuple[RingMessage, np.ndarr
         if len(frames) != 1:
             raise RingFrameError(msg.step, f"a {type(msg).__name__} has one frame, got {len(frames)}")
         return msg, None
-    if len(frames) != 2:
-        raise RingFrameError(msg.step, f"an activation has two frames (header, rows), got {len(frames)}")
+    if len(frames) != 2 + bool(msg.embd_rows):
+        raise RingFrameError(msg.step, f"an activation has {2 + bool(msg.embd_rows)} frames (header, rows"
+                             f"{', embedding rows' if msg.embd_rows else ''}), got {len(frames)}")
+    if msg.embd_rows and (msg.dtype != "int32" or not len(frames[2]) or len(frames[2]) % len(msg.embd_rows)
+                          or min(msg.embd_rows) < 0):
+        raise RingFrameError(msg.step, f"activation step {msg.step}: {len(frames[2])} bytes of embedding rows for "
+                             f"{len(msg.embd_rows)} token(s) of {msg.dtype} rows")
     bad = [p for p in msg.parts if p.n_rows < 1 or p.pos0 < 0 or p.seq_id < 0]
     if not msg.parts or bad or msg.width < 1 or msg.round < 0:
         raise RingFrameError(msg.step, f"activation step {msg.step}: bad shape or position "
