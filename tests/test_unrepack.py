@@ -41,7 +41,7 @@ def test_every_type_this_cpu_repacks_is_undone_exactly() -> None:
             assert np.array_equal(lay.undo(repacked), raw), f"{type_name} x {ne0}"
             # a range inside the tensor, as a piece of the file cuts it
             a, b = span.offset + 1000, span.end - 333
-            part = undo_range(span, lay, lambda off, n: repacked[off - span.offset:off - span.offset + n], a, b)
+            part = undo_range(span, lay, lambda off, n, r=repacked, o=span.offset: r[off - o:off - o + n], a, b)
             assert np.array_equal(part, raw[a - span.offset:b - span.offset])
             done.append(type_name)
     if not done:
