@@ -64,6 +64,7 @@ class SparseCopy:
         self.manifest, self.file_name = manifest, file_name
         self.forms: dict[str, dict[str, str]] = dict(forms or {})  # units repacked in place: tensor -> layout key
         self.rows: set[int] = set()  # token embedding rows written since the process started (write_rows)
+        self._input_pieces: list[int] | None = None
         self.path = folder / f"{_stem(manifest.model)}.gguf"
         self._record_path = self.path.with_suffix(".pieces")
         self.held: dict[int, float] = dict(held or {})
@@ -151,9 +152,12 @@ class SparseCopy:
     # --- the token embedding's rows, sent by the head with the tokens (head/embedding.py) ---------------------
 
     def _embedding(self) -> TensorSpan | None:
-        """The token embedding, when the copy does not hold it whole (its rows come one by one)."""
+        """The token embedding, when the copy does not hold it whole (its rows come one by one). Asked every token:
+        the embedding's pieces are found once."""
+        if self._input_pieces is None:
+            self._input_pieces = [i for i, p in enumerate(piece_plan(self.layout())) if p.unit == INPUT]
         t = self.layout().tensor("token_embd.weight")
-        return None if t is None or INPUT in self.held_units() else t
+        return None if t is None or all(i in self.held for i in self._input_pieces) else t
 
     def write_rows(self, ids: Sequence[int], data: bytes | memoryview) -> None:
         """Store the token embedding's rows of these ids, as the head's file holds them."""
@@ -265,9 +269,11 @@ class SparseCopy:
                 self.forms.clear()
                 indices = [i for i in self.held if self.manifest.offsets[i] >= self.manifest.header_bytes] + indices
             else:
-                plan = piece_plan(layout)
+                plan, going = piece_plan(layout), set(indices)
                 for unit in {plan[i].unit for i in indices} & set(self.forms):
-                    undo_in_place(layout, self.fd, unit, self.forms.pop(unit))
+                    tensors = self.forms.pop(unit)
+                    if any(plan[i].unit == unit for i in self.held if i not in going):  # some of it stays
+                        undo_in_place(layout, self.fd, unit, tensors)
                     self.save()
         for i in indices:
             if self.held.pop(i, None) is not None:
