@@ -206,3 +206,24 @@ def test_a_session_on_recurrent_layers_only_clears_or_goes_on() -> None:
     assert new.calls == [("remove", 0), ("forward", 0, 20), ("forward", 20, 4)]
     session.eval([5, 6], 0)  # a rewind to the start clears, then evaluates anew
     assert new.held == [5, 6]
+
+
+def test_a_session_with_snapshots_forgets_the_last_batchs_tokens_once() -> None:
+    """With `rollback` snapshots a token (n_rs_seq), recurrent layers forget up to that many of the last batch's
+    tokens (a rejected draft), once before the next batch; never a token of an earlier batch."""
+    from primaplug.core.errors import RecurrentRewindError
+
+    ring = FakeRing()
+    session = Session(ring, n_batch=64, rewindable=False, rollback=3)  # type: ignore[arg-type]
+    session.eval(list(range(20)), 0)
+    session.eval([20, 21, 22, 23], 20)  # a token and three drafted
+    assert not session.can_rewind(20)  # four back: more than the snapshots
+    assert not session.can_rewind(19)  # into the batch before
+    session.rewind(22)  # two rejected
+    assert session.n_past == 22
+    assert not session.can_rewind(21)  # once: the snapshots are spent until the next batch
+    session.eval([22, 23], 22)
+    assert session.can_rewind(23) and not session.can_rewind(21)
+    with pytest.raises(RecurrentRewindError):
+        session.rewind(21)
+    assert session.n_past == 24

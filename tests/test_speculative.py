@@ -204,14 +204,50 @@ def test_a_draft_of_another_vocabulary_is_refused(gemma_path: Path, model_dir: P
         primaplug.Llama(gemma_path, draft_model=str(model_dir / "missing.gguf"), **KWARGS)
 
 
-def test_a_draft_for_a_model_with_recurrent_layers_is_refused(model_dir: Path) -> None:
-    """Qwen 3.5's gated delta-net keeps a state that cannot forget a rejected draft's tokens: refused before
-    anything loads, saying what to turn off."""
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "lfm2", "lfm2moe"])
+def test_a_rejected_draft_is_rolled_back_on_recurrent_layers(model_dir: Path, arch: str) -> None:
+    """Qwen 3.5's gated delta-net and LFM2's short convolutions keep a state that cannot forget positions; with a
+    snapshot a drafted token (n_rs_seq) every window rolls it back past the rejected tokens, and the output is plain
+    llama-cpp-python's, over two windows of the head with a wrong token in every draft."""
+    import primaplug
+    from primaplug.engine import read_layout
+
+    path = synthetic_path(model_dir, arch, 7, "Q8_0")
+    prompt, want = _plain_tokens(path)
+    got, seen, stats = scripted_run(
+        lambda draft: primaplug.Llama(path, layers=[3, 4], draft_model=draft, draft_min=2, **KWARGS),
+        prompt, want, None, _held_everywhere, n_vocab=read_layout(path).n_vocab)
+    assert got == want
+    assert stats.drafted > N // 3 and any(h > kept for h, kept, _ in seen), stats.describe()
+
+
+@pytest.mark.multiproc
+def test_a_rejected_draft_is_rolled_back_on_the_nodes(model_dir: Path, tmp_path: Path) -> None:
+    """The same over two real nodes: the assignment asks each window for its snapshots (Assignment.n_rs_seq), and
+    the nodes roll back with the KV operation that comes before the next trip."""
+    import primaplug
+    from primaplug.engine import read_layout
+    from primaplug.head.launch import LocalNodes
+
+    path = synthetic_path(model_dir, "qwen35", 7, "Q8_0")
+    prompt, want = _plain_tokens(path)
+    with LocalNodes(path, 2, log_dir=tmp_path / "logs") as nodes:
+        got, seen, stats = scripted_run(
+            lambda draft: primaplug.Llama(path, nodes=nodes.addresses, layers=[3, 4], scheduler="even",
+                                          draft_model=draft, draft_min=2, **KWARGS),
+            prompt, want, None, _held_everywhere, n_vocab=read_layout(path).n_vocab)
+    assert got == want
+    assert stats.drafted > N // 3 and any(h > kept for h, kept, _ in seen), stats.describe()
+
+
+def test_a_draft_for_a_model_that_cannot_roll_back_is_refused(model_dir: Path) -> None:
+    """Qwen3-Next's delta-net keeps no per-token snapshots in llama.cpp: refused before anything loads, saying what
+    to turn off."""
     import primaplug
     from primaplug.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="recurrent layers.*without a draft model"):
-        primaplug.Llama(synthetic_path(model_dir, "qwen35", 7, "Q8_0"), draft_model="prompt-lookup", **KWARGS)
+        primaplug.Llama(synthetic_path(model_dir, "qwen3next", 7, "Q8_0"), draft_model="prompt-lookup", **KWARGS)
 
 
 def test_batches_of_up_to_three_rows_round_as_one_row(gemma_path: Path) -> None:

@@ -63,11 +63,13 @@ def cpu_parts(windows: Sequence[LayerRange], gpu_layers: Collection[int]) -> lis
     return parts
 
 
-def reserved_bytes(layout: ModelLayout, windows: list[LayerRange], n_ctx: int, n_batch: int, n_ubatch: int) -> int:
-    """What windows need besides weights: their KV cache and their llama.cpp compute buffers. A window gives its
-    buffer's pages back after a prompt (ContextSettings.release_compute), and the windows run one at a time, so
-    one buffer sized for a micro-batch is resident at most, beside what a one-token decode touches in the others."""
-    kv = sum(layout.cache_bytes(il, n_ctx) for w in windows for il in range(w.start, w.end))
+def reserved_bytes(layout: ModelLayout, windows: list[LayerRange], n_ctx: int, n_batch: int, n_ubatch: int,
+                   n_rs_seq: int = 0) -> int:
+    """What windows need besides weights: their KV cache (and recurrent states, with their n_rs_seq snapshots) and
+    their llama.cpp compute buffers. A window gives its buffer's pages back after a prompt
+    (ContextSettings.release_compute), and the windows run one at a time, so one buffer sized for a micro-batch is
+    resident at most, beside what a one-token decode touches in the others."""
+    kv = sum(layout.cache_bytes(il, n_ctx, n_rs_seq=n_rs_seq) for w in windows for il in range(w.start, w.end))
     if not windows:
         return kv
     one_row = compute_buffer_layers_bytes(layout, n_ctx, 1, 1)
@@ -82,13 +84,13 @@ def weights_budget(view: MemoryView, reserved: int) -> int:
 
 def plan_memory(layout: ModelLayout, windows: list[LayerRange], *, n_ctx: int, n_batch: int, n_ubatch: int,
                 memory: MemorySettings | None = None, extra_reserved: int = 0,
-                extra_weights: int = 0) -> MemoryPlan:
+                extra_weights: int = 0, n_rs_seq: int = 0) -> MemoryPlan:
     """The plan for a device's windows: `windows` are the CPU parts (cpu_parts) of those with CPU layers, the
     layers whose weights and KV cache take RAM. `extra_reserved` is anonymous memory beside theirs (the head's
     output context's buffer), `extra_weights` mapped weights beside theirs (the head's output layer)."""
     memory = memory or MemorySettings()
     view = memory_view()
-    reserved = reserved_bytes(layout, windows, n_ctx, n_batch, n_ubatch) + extra_reserved
+    reserved = reserved_bytes(layout, windows, n_ctx, n_batch, n_ubatch, n_rs_seq) + extra_reserved
     budget = memory.budget_bytes if memory.budget_bytes is not None else \
         weights_budget(view, reserved + extra_weights)
     sw = memory.switches

@@ -123,7 +123,7 @@ class DeviceWindows:
         extra_reserved += layout.output_copy_bytes if output else 0
         plan = plan_memory(layout, [r for r in on_cpu if r.n_layers], n_ctx=context.n_ctx, n_batch=context.n_batch,
                            n_ubatch=context.n_ubatch, memory=memory, extra_reserved=extra_reserved,
-                           extra_weights=extra_weights)
+                           extra_weights=extra_weights, n_rs_seq=context.n_rs_seq)
         names = ", ".join(map(str, used)) or "(relay only)"
         progress(0.05, f"mapping {os.path.basename(os.path.realpath(path))} for windows {names}; {plan.describe()}")
         if plan.prefetch.mode == "stream":

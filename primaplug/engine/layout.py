@@ -38,6 +38,9 @@ SUPPORTED_ARCHS = ("llama", "llama4", "qwen2", "qwen3", "qwen3moe", "qwen35", "q
 # with M-RoPE, which takes four positions per hidden-state row. LFM2's recurrent layers are short convolutions, the
 # layers with no KV head.
 _HYBRID_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
+# Recurrent architectures whose states llama.cpp can roll back a few tokens (llm_arch_supports_rs_rollback): with
+# n_rs_seq snapshots a token, a rejected draft is forgotten exactly. Qwen3-Next and Kimi-Linear keep none.
+ROLLBACK_ARCHS = frozenset({"qwen35", "qwen35moe", "lfm2", "lfm2moe"})
 _MROPE_ARCHS = ("qwen35", "qwen35moe")  # Qwen3-Next rotates with plain rope
 
 # ggml types that llama.cpp's CPU backend can repack for faster kernels (ggml-cpu/repack.cpp; engine/repacked.py)
@@ -249,6 +252,11 @@ class ModelLayout:
         and one device's windows cannot share a context."""
         return any(self.recurrent_layers)
 
+    @property
+    def can_roll_back(self) -> bool:
+        """Whether a recurrent model's state can forget its last few tokens (with ContextSettings.n_rs_seq)."""
+        return self.arch in ROLLBACK_ARCHS
+
     def is_recurrent(self, layer: int) -> bool:
         return bool(self.recurrent_layers) and self.recurrent_layers[layer]
 
@@ -267,11 +275,11 @@ class ModelLayout:
         return (self.n_head_kv[layer] * (k + (0 if self.keys_only_cache else v)) + self.indexer_key_length) * \
             bytes_per_value
 
-    def cache_bytes(self, layer: int, n_ctx: int, n_seq: int = 1) -> int:
+    def cache_bytes(self, layer: int, n_ctx: int, n_seq: int = 1, n_rs_seq: int = 0) -> int:
         """What a layer's cache takes for n_ctx positions over n_seq sequences: keys and values, or a recurrent
-        layer's states (one a sequence, whatever its length)."""
+        layer's states (one a sequence, whatever its length, and n_rs_seq snapshots of it to roll back to)."""
         if self.is_recurrent(layer):
-            return self.recurrent_state_bytes * n_seq
+            return self.recurrent_state_bytes * n_seq * (1 + n_rs_seq)
         return self.kv_bytes_per_token(layer) * n_ctx
 
 

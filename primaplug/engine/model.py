@@ -73,6 +73,9 @@ class ContextSettings:
     # pooling_type says; -1: the model's own), which Window.embed reads
     embeddings: bool = False
     pooling_type: int = -1
+    # snapshots of each sequence's recurrent state, one a token, so that its last n_rs_seq tokens can be forgotten
+    # (a rejected draft: ModelLayout.can_roll_back); 0: none, and no partial rewind
+    n_rs_seq: int = 0
 
     @property
     def threads(self) -> int:
@@ -86,6 +89,7 @@ class ContextSettings:
         p.no_perf = True
         p.flash_attn_type = _ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.flash_attn else _ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
         p.embeddings, p.pooling_type = self.embeddings, self.pooling_type
+        p.n_rs_seq = self.n_rs_seq
         return p
 
 
@@ -498,6 +502,10 @@ class _Context:
         ptr = create(params)
         if not ptr:
             raise EngineError(f"could not create {what}: {_log.take_errors() or 'see the log'}")
+        if _ll.llama_n_rs_seq(ptr) != settings.n_rs_seq:  # llama.cpp gives 0 where the architecture keeps none
+            _ll.llama_free(ptr)
+            raise EngineError(f"{what}: llama.cpp keeps no snapshots of {model.layout.arch}'s recurrent states, so "
+                              "its last tokens cannot be forgotten (n_rs_seq): run it without a draft model")
         self.ptr = ptr
         _native.llama_attach_threadpool(ptr, pool, pool)
         self._batches: dict[bool, _Batch] = {}

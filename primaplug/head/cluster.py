@@ -85,6 +85,7 @@ class ClusterSettings:
     timeout_s: float = _RUN.timeout_s  # silence after which a node counts as gone
     load_timeout_s: float = LOAD_TIMEOUT_S
     route: Route | None = None
+    n_rs_seq: int = 0  # recurrent-state snapshots each window keeps (a draft on a model that can roll back)
 
     def link(self, sender: str, endpoint: str) -> str:
         return self.route(sender, endpoint) if self.route else endpoint
@@ -394,7 +395,7 @@ class Cluster:
             n.load(Assignment(epoch=self.epoch, model=self.model, windows=windows, successor=self._successor(i),
                               n_ctx=s.n_ctx * s.n_parallel, n_batch=s.n_batch, n_ubatch=s.n_ubatch,
                               n_threads=s.n_threads, n_seq_max=s.n_parallel,
-                              stream_room=self.node_room[i]), self.source(n))
+                              stream_room=self.node_room[i], n_rs_seq=s.n_rs_seq), self.source(n))
         t0 = time.perf_counter()
         self._wait_loaded(self.epoch, report=True)
         nodes = tuple((n.name, tuple(r)) for n, r in zip(self.nodes, self.node_ranges, strict=True))

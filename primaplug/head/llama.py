@@ -181,9 +181,12 @@ class Llama(RingLlama):
         path = resolve_model(model_path)  # a Hugging Face reference, a model in several files: store/hub.py
         layout = read_layout(path)
         layout.check_supported()
-        if draft_model is not None and layout.has_recurrent_layers:
-            raise ConfigError(f"{path.name} has recurrent layers (gated delta-net), whose state cannot forget a "
-                              "rejected draft's tokens: run it without a draft model (--draft)")
+        # a rejected draft's tokens are forgotten from the recurrent states' snapshots, one a drafted token
+        rollback = draft_max if draft_model is not None and layout.has_recurrent_layers else 0
+        if rollback and not layout.can_roll_back:
+            raise ConfigError(f"{path.name} has recurrent layers ({layout.arch}), whose states llama.cpp cannot roll "
+                              "back past a rejected draft's tokens: run it without a draft model (--draft). Qwen 3.5 "
+                              "and LFM2 can")
         for name in ("n_ctx", "n_batch", "n_ubatch"):
             kwargs.setdefault(name, getattr(_RUN, name))
         n_ctx = kwargs["n_ctx"] or layout.n_ctx_train
@@ -202,7 +205,7 @@ class Llama(RingLlama):
                                    n_ctx=n_ctx, n_parallel=n_parallel, n_batch=n_batch, n_ubatch=n_ubatch,
                                    n_threads=node_threads,
                                    listen=listen, timeout_s=timeout_s, route=route, gpu_layers=gpu,
-                                   head_gpu_layers=head_gpu, stream_rooms=rooms or None)
+                                   head_gpu_layers=head_gpu, stream_rooms=rooms or None, n_rs_seq=rollback)
         self._cluster: Cluster | None = None
         self._device: DeviceWindows | None = None
         self.plan: Plan | None = None  # the scheduler's plan, when one was made
@@ -228,7 +231,7 @@ class Llama(RingLlama):
                 cluster.plan()
             # the head's windows live on the device layer, as a node's do: same memory plan, same prefetch hooks
             context = ContextSettings(n_ctx=n_ctx * n_parallel, n_batch=n_batch, n_ubatch=n_ubatch,
-                                      n_threads=threads, poll=BUSY_POLL, n_seq_max=n_parallel)
+                                      n_threads=threads, poll=BUSY_POLL, n_seq_max=n_parallel, n_rs_seq=rollback)
             self._device = DeviceWindows.load(
                 path, layout, cluster.head_ranges, context=context,
                 memory=MemorySettings(budget_bytes=memory_budget, switches=memory_switches or Switches()),
@@ -260,12 +263,13 @@ class Llama(RingLlama):
                                       idle=lambda: self._slots.running == 0, candidates=node_candidates)
             rewindable = not layout.has_recurrent_layers
             self.session = Session(self._batcher, n_batch=n_batch, events=self.events, reform=self._recovery,
-                                   rewindable=rewindable)
+                                   rewindable=rewindable, rollback=rollback)
             super().__init__(model, self.session, speculation=self.speculation, **kwargs)
             # the other sequences: a llama-cpp-python front each (its sampler, its prefix), on the same ring
             self._slots = Slots([self] + [
                 RingLlama(model, Session(self._batcher, n_batch=n_batch, events=self.events, seq_id=i,
-                                         reform=self._recovery, rewindable=rewindable), **kwargs)
+                                         reform=self._recovery, rewindable=rewindable, rollback=rollback),
+                           **kwargs)
                 for i in range(1, n_parallel)])
         except BaseException:
             self._close_ring()

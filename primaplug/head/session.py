@@ -94,15 +94,19 @@ def coalesce(batches: Sequence[tuple[int, list[int]]]) -> list[tuple[int, list[i
 class Session:
     """`rewindable` False: the model has recurrent layers (gated delta-net, short convolutions), whose state cannot
     forget positions. A rewind may then only clear the conversation (llama-cpp-python evaluates the prompt anew then,
-    as it does on such a model alone). A replay joins small batches as for any model: their layers compute each
-    row of up to EXACT_BATCH_ROWS as alone too (the logits bit for bit, LOG.md)."""
+    as it does on such a model alone), or, with `rollback` snapshots a token (ContextSettings.n_rs_seq), forget up to
+    that many of the last batch's tokens once before the next batch: a rejected draft. A replay joins small batches
+    as for any model: their layers compute each row of up to EXACT_BATCH_ROWS as alone too (the logits bit for
+    bit, LOG.md)."""
 
     def __init__(self, ring: Ring, *, n_batch: int, events: Events | None = None, seq_id: int = 0,
-                 reform: Reform | None = None, rewindable: bool = True) -> None:
+                 reform: Reform | None = None, rewindable: bool = True, rollback: int = 0) -> None:
         if n_batch < 1:
             raise PrimaplugError(f"n_batch must be at least 1, got {n_batch}")
         self.ring = ring
         self.rewindable = rewindable
+        self.rollback = rollback
+        self._rolled_back = False  # a recurrent state rolled back since the last batch (llama.cpp allows one)
         self.n_batch = n_batch
         self.events = events or Events()
         self.seq_id = seq_id
@@ -146,6 +150,7 @@ class Session:
                                     ring.forward(b, p, seq_id=self.seq_id, all_rows=all_rows, hidden=hidden))
                 self.prefix.extend(batch)
                 self.batches.append((p, batch))
+                self._rolled_back = False
                 self.held = len(self.prefix)
                 self.events.publish(BatchDone(step, p, len(batch), time.perf_counter() - t0))
                 if output is not None:
@@ -153,8 +158,12 @@ class Session:
 
     def can_rewind(self, pos: int) -> bool:
         """Whether the ring can forget positions pos and after: always, but on recurrent layers only all of them
-        (pos 0) or none (pos at the prefix's end or past it)."""
-        return self.rewindable or not 0 < pos < len(self.prefix)
+        (pos 0), none (pos at the prefix's end or past it), or the last batch's last `rollback` tokens at most, once
+        (the states' snapshots are those of the last batch's tokens)."""
+        if self.rewindable or not 0 < pos < len(self.prefix):
+            return True
+        return (self.rollback > 0 and not self._rolled_back and bool(self.batches) and self.batches[-1][0] < pos
+                and len(self.prefix) - pos <= self.rollback)
 
     def rewind(self, pos: int) -> None:
         """Forget positions pos, pos + 1, ... (nothing to do when the prefix ends before pos); the devices forget
@@ -166,6 +175,7 @@ class Session:
         with self._call():
             self._follow()
             if pos < len(self.prefix):
+                self._rolled_back = not self.rewindable and pos > 0
                 del self.prefix[pos:]
                 while self.batches and self.batches[-1][0] >= pos:  # one partly kept stays: a replay rewinds after it
                     self.batches.pop()

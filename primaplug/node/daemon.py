@@ -634,6 +634,8 @@ def _check_assignment(a: Assignment, layout: ModelLayout) -> str:
     if a.n_threads > THREADS_PER_CORE * cores:
         return (f"{a.n_threads} compute threads on a device of {cores} cores: at most {THREADS_PER_CORE * cores} "
                 "(0: one per core)")
+    if not 0 <= a.n_rs_seq <= a.n_batch:  # a snapshot a token of a batch at most: more could never be used
+        return f"{a.n_rs_seq} recurrent-state snapshots a sequence: 0 to a batch's {a.n_batch} tokens"
     if a.n_seq_max > MAX_PARALLEL:
         return f"{a.n_seq_max} sequences: llama.cpp holds at most {MAX_PARALLEL}"
     if a.n_ubatch > a.n_batch or a.n_batch > a.n_ctx:

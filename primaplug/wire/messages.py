@@ -92,6 +92,7 @@ class Assignment(msgspec.Struct, frozen=True):
     # a node that streams goes layer by layer with room for this many layers beside the kept part, as the plan
     # chose from the ring's timing (scheduler/rooms.py); 0: the node's own rule (device/memory.py)
     stream_room: int = 0
+    n_rs_seq: int = 0  # recurrent-state snapshots a sequence keeps, to forget a rejected draft (ContextSettings)
 
     @property
     def n_ctx_seq(self) -> int:
