@@ -181,14 +181,23 @@ def test_a_rejected_draft_changes_nothing_on_a_mixture_of_experts(model_dir: Pat
     """The same on mixtures of experts (the experts a token routes to are chosen again when its position is computed
     again; gpt-oss's sliding window forgets positions too): each draft has a wrong token, the first or the second in
     turn, over two windows of the head."""
+    path = synthetic_path(model_dir, arch, 7, ftype)
+    _rejected_drafts_change_nothing(path, lambda draft: _head_windows(path, draft))
+
+
+def _head_windows(path: Path, draft: Any, **extra: Any) -> Any:
     import primaplug
+
+    return primaplug.Llama(path, layers=[3, 4], draft_model=draft, draft_min=2, **KWARGS, **extra)
+
+
+def _rejected_drafts_change_nothing(path: Path, make: Callable[[Scripted], Any]) -> None:
+    """A wrong token in every draft, the first or the second in turn: the tokens are plain's, and the rejected
+    positions were forgotten (held past the prefix until the next trip)."""
     from primaplug.engine import read_layout
 
-    path = synthetic_path(model_dir, arch, 7, ftype)
     prompt, want = _plain_tokens(path)
-    got, seen, stats = scripted_run(
-        lambda draft: primaplug.Llama(path, layers=[3, 4], draft_model=draft, draft_min=2, **KWARGS),
-        prompt, want, None, _held_everywhere, n_vocab=read_layout(path).n_vocab)
+    got, seen, stats = scripted_run(make, prompt, want, None, _held_everywhere, n_vocab=read_layout(path).n_vocab)
     assert got == want
     assert stats.drafted > N // 3 and any(h > kept for h, kept, _ in seen), stats.describe()
 
@@ -209,35 +218,20 @@ def test_a_rejected_draft_is_rolled_back_on_recurrent_layers(model_dir: Path, ar
     """Qwen 3.5's gated delta-net and LFM2's short convolutions keep a state that cannot forget positions; with a
     snapshot a drafted token (n_rs_seq) every window rolls it back past the rejected tokens, and the output is plain
     llama-cpp-python's, over two windows of the head with a wrong token in every draft."""
-    import primaplug
-    from primaplug.engine import read_layout
-
     path = synthetic_path(model_dir, arch, 7, "Q8_0")
-    prompt, want = _plain_tokens(path)
-    got, seen, stats = scripted_run(
-        lambda draft: primaplug.Llama(path, layers=[3, 4], draft_model=draft, draft_min=2, **KWARGS),
-        prompt, want, None, _held_everywhere, n_vocab=read_layout(path).n_vocab)
-    assert got == want
-    assert stats.drafted > N // 3 and any(h > kept for h, kept, _ in seen), stats.describe()
+    _rejected_drafts_change_nothing(path, lambda draft: _head_windows(path, draft))
 
 
 @pytest.mark.multiproc
 def test_a_rejected_draft_is_rolled_back_on_the_nodes(model_dir: Path, tmp_path: Path) -> None:
     """The same over two real nodes: the assignment asks each window for its snapshots (Assignment.n_rs_seq), and
     the nodes roll back with the KV operation that comes before the next trip."""
-    import primaplug
-    from primaplug.engine import read_layout
     from primaplug.head.launch import LocalNodes
 
     path = synthetic_path(model_dir, "qwen35", 7, "Q8_0")
-    prompt, want = _plain_tokens(path)
     with LocalNodes(path, 2, log_dir=tmp_path / "logs") as nodes:
-        got, seen, stats = scripted_run(
-            lambda draft: primaplug.Llama(path, nodes=nodes.addresses, layers=[3, 4], scheduler="even",
-                                          draft_model=draft, draft_min=2, **KWARGS),
-            prompt, want, None, _held_everywhere, n_vocab=read_layout(path).n_vocab)
-    assert got == want
-    assert stats.drafted > N // 3 and any(h > kept for h, kept, _ in seen), stats.describe()
+        _rejected_drafts_change_nothing(
+            path, lambda draft: _head_windows(path, draft, nodes=nodes.addresses, scheduler="even"))
 
 
 def test_a_draft_for_a_model_that_cannot_roll_back_is_refused(model_dir: Path) -> None:
