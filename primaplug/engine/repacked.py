@@ -103,6 +103,7 @@ class RepackedForms(Protocol):
     the key of the RepackLayout it was repacked under (a unit that is not there holds the file's bytes)."""
 
     forms: dict[str, dict[str, str]]
+    lock: contextlib.AbstractContextManager[object]  # held while a unit's form changes (readers wait for it)
 
     def save(self) -> None: ...
 
@@ -157,19 +158,23 @@ def repack_in_place(layout: ModelLayout, forms: RepackedForms, cpu_layers: Itera
     built = 0
     try:
         for unit in [u[:-4] for u in units if u.endswith(".raw") and u[:-4] in forms.forms]:
-            undo_in_place(layout, fd, unit, forms.forms.pop(unit))
-            forms.save()
+            with forms.lock:
+                undo_in_place(layout, fd, unit, forms.forms.pop(unit))
+                forms.save()
         missing = [u for u in units if _runs_on_cpu(u) and u not in forms.forms]
         total = sum(t.nbytes for u in missing for t in unit_tensors(layout, u))
         for chunk in _chunks(layout, missing, chunk_bytes):
             (progress or (lambda _f, _w: None))(built / max(total, 1), f"repacking {_describe(chunk)} for this CPU "
                                                                        "in place (once)")
             spans = {t.name: t for u in chunk for t in unit_tensors(layout, u)}
-            keys = _repack(layout, chunk, spans, fd, in_place=True)
-            os.fsync(fd)
-            for u in chunk:
-                forms.forms[u] = {t.name: keys[t.name] for t in unit_tensors(layout, u) if t.name in keys}
-            forms.save()
+
+            def record(keys: dict[str, str], chunk: list[str] = chunk) -> None:  # under the lock, after the writes
+                os.fsync(fd)
+                for u in chunk:
+                    forms.forms[u] = {t.name: keys[t.name] for t in unit_tensors(layout, u) if t.name in keys}
+                forms.save()
+
+            _repack(layout, chunk, spans, fd, in_place=True, lock=forms.lock, written=record)
             built += sum(t.nbytes for t in spans.values())
     finally:
         os.close(fd)
@@ -318,10 +323,11 @@ def _chunks(layout: ModelLayout, units: list[str], chunk_bytes: int) -> Iterator
 
 
 def _repack(layout: ModelLayout, units: list[str], spans: dict[str, TensorSpan], fd_out: int, *,
-            in_place: bool = False) -> dict[str, str]:
+            in_place: bool = False, lock: contextlib.AbstractContextManager[object] | None = None,
+            written: Callable[[dict[str, str]], None] = lambda _keys: None) -> dict[str, str]:
     """Load these units with llama.cpp's repacking on and write each weight it repacked into the copy; returns
     their names, each with its RepackLayout's key when `in_place` (each is checked to undo exactly, before any is
-    written over the file's bytes)."""
+    written over the file's bytes). The writes, and then `written(keys)`, happen under `lock`."""
     n_all = layout.n_layer_all
     placement = (ctypes.c_uint8 * (n_all + 1))()
     for u in filter(_runs_on_cpu, units):
@@ -341,10 +347,12 @@ def _repack(layout: ModelLayout, units: list[str], spans: dict[str, TensorSpan],
     try:
         _native.llama_model_repacked_tensors(ptr, callback, None)
         keys = {span.name: _check_undo(span, mv, fd_out) if in_place else "" for span, mv in got}
-        for span, mv in got:  # the views live as long as the model
-            offset = 0
-            while offset < span.nbytes:
-                offset += os.pwrite(fd_out, mv[offset:], span.offset + offset)
+        with lock or contextlib.nullcontext():
+            for span, mv in got:  # the views live as long as the model
+                offset = 0
+                while offset < span.nbytes:
+                    offset += os.pwrite(fd_out, mv[offset:], span.offset + offset)
+            written(keys)
     finally:
         _ll.llama_model_free(ptr)
     return keys

@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -64,6 +65,9 @@ class SparseCopy:
         self.manifest, self.file_name = manifest, file_name
         self.forms: dict[str, dict[str, str]] = dict(forms or {})  # units repacked in place: tensor -> layout key
         self.rows: set[int] = set()  # token embedding rows written since the process started (write_rows)
+        # held while a layer's form changes (repacked in place, or put back) and while a piece is read for a peer,
+        # so that a peer never reads a layer half rewritten
+        self.lock = threading.RLock()
         self._input_pieces: list[int] | None = None
         self.path = folder / f"{_stem(manifest.model)}.gguf"
         self._record_path = self.path.with_suffix(".pieces")
@@ -192,6 +196,10 @@ class SparseCopy:
 
     def read(self, index: int) -> bytes:
         """A piece it holds as the model file has it, for a peer or a check."""
+        with self.lock:
+            return self._read(index)
+
+    def _read(self, index: int) -> bytes:
         offset = self.manifest.offsets[index]
         data = os.pread(self.fd, self.manifest.lengths[index], offset)
         if not self.forms or offset < self.manifest.header_bytes:
@@ -259,7 +267,10 @@ class SparseCopy:
     def drop(self, indices: Iterable[int]) -> None:
         """Forget these pieces and hand their bytes back to the file system. A layer repacked in place that loses a
         piece is first put back as the file has it, so that the pieces it keeps and those fetched again agree."""
-        indices = list(indices)
+        with self.lock:
+            self._drop(list(indices))
+
+    def _drop(self, indices: list[int]) -> None:
         if self.forms:
             from primaplug.engine.repacked import undo_in_place
 
