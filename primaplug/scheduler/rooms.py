@@ -87,7 +87,8 @@ def choose_rooms(p: Platform, k: int, w: Sequence[int] | np.ndarray, n: Sequence
     """The rooms that make the per-round model's token fastest for placement (k, w, n), exactly, over each streaming
     node's own rule and every room from one layer to a window's layers and one. Devices that fit, relays, the head,
     Metal devices and streaming mixtures of experts (which read their routed experts as tokens choose them) keep
-    their own rule (0)."""
+    their own rule (0); a head that streams is priced by it, as a node is (its windows are on the same device
+    layer), so that its disk's reading bounds the round as every node's does."""
     w = np.asarray(w, dtype=np.int64)
     n = np.asarray(n, dtype=np.int64)
     pred = predict_ring(p, k, w, n)
@@ -95,15 +96,18 @@ def choose_rooms(p: Platform, k: int, w: Sequence[int] | np.ndarray, n: Sequence
     lc = k * per_window
     budget = weights_budget(p, k, lc)
     read, faulted = stream_bytes(budget, per_window * p.layer_bytes, k)
-    candidates: list[int] = []
+    candidates: list[int] = []  # streaming nodes: their rooms are chosen here
+    streaming: list[int] = []  # those and a streaming head, which reads by its own rule as a node does
     base: list[Turn] = []
     for m in range(p.n_devices):
         on_path = float(pred.compute_s[m] + pred.memory_s[m])
         turn = Turn(on_path / k, float(pred.network_s[m]) / k, disk_bps=float(max(p.disk_bps[m], 1.0)))
-        streams = (read[m] > 0 and lc[m] > 0 and not p.head[m] and p.kind[m] != MACOS_METAL and p.disk_bps[m] > 0
+        streams = (read[m] > 0 and lc[m] > 0 and p.kind[m] != MACOS_METAL and p.disk_bps[m] > 0
                    and not (p.expert_bytes and p.expert_share))
         if streams:
-            candidates.append(m)
+            streaming.append(m)
+            if not p.head[m]:
+                candidates.append(m)
         elif np.isfinite(pred.fault_s[m]):  # what it reads on the token's path is part of its turn
             turn = Turn(turn.compute_s + float(pred.fault_s[m]) / k, turn.hop_s)
         base.append(turn)
@@ -117,7 +121,7 @@ def choose_rooms(p: Platform, k: int, w: Sequence[int] | np.ndarray, n: Sequence
     # each device's options, (room, turn): its own rule (0), and each room from 1 to a window's layers and one, but
     # for those room_slack binds: measured, such rooms of a few MiB a layer faulted in most of what they streamed
     # (twice the memory: 60-80 MB a token on d3, 2.3-3.0 s against 1.95-2.12 with the nodes' own rules)
-    options = [[(0, own_rule(m) if m in candidates else base[m])] for m in range(p.n_devices)]
+    options = [[(0, own_rule(m) if m in streaming else base[m])] for m in range(p.n_devices)]
     for m in candidates:
         for r in range(1, int(per_window[m]) + 2):
             turn, slack_bound = layer_turn(base[m], budget[m], int(lc[m]), int(per_window[m]), p.layer_bytes, r)
