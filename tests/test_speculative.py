@@ -244,6 +244,17 @@ def test_a_draft_for_a_model_that_cannot_roll_back_is_refused(model_dir: Path) -
         primaplug.Llama(synthetic_path(model_dir, "qwen3next", 7, "Q8_0"), draft_model="prompt-lookup", **KWARGS)
 
 
+def test_a_draft_model_with_recurrent_layers_is_refused(model_dir: Path) -> None:
+    """A GGUF draft drafts a token a call and rewinds its own context past the target's rejections, further than
+    a batch's snapshots reach (llama-cpp-python then failed in llama_decode): refused before anything loads."""
+    import primaplug
+    from primaplug.core.errors import ConfigError
+
+    target = synthetic_path(model_dir, "qwen35", 7, "Q8_0")
+    with pytest.raises(ConfigError, match="draft model .* has recurrent layers.*prompt-lookup"):
+        primaplug.Llama(target, draft_model=target, **KWARGS)
+
+
 def test_batches_of_up_to_three_rows_round_as_one_row(gemma_path: Path) -> None:
     """Why a trip of up to 3 rows gives plain decoding's tokens (patch 0009, repack.cpp): plain llama-cpp-python's
     logits for a greedy continuation evaluated in batches of 2, of 3 and of 1-3 rows equal, bit for bit, those of

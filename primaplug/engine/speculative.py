@@ -23,6 +23,7 @@ from llama_cpp.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecodi
 from primaplug.core.errors import ConfigError
 from primaplug.core.settings import DRAFT_MAX, DRAFT_MIN
 from primaplug.decoding import DraftLength, SamplingParams, SpeculationStats, draft_probs
+from primaplug.engine.layout import read_layout
 
 VOCAB_SLACK = 128  # llama.cpp's SPEC_VOCAB_MAX_SIZE_DIFFERENCE: a draft's vocabulary may differ by this much
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
@@ -40,6 +41,7 @@ class GgufDraft:
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
             raise ConfigError(f"the draft model {self.path} is not a file: pass a GGUF path (--model-draft)")
+        check_draft_file(self.path)
         self.llm = llama_cpp.Llama(self.path, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, verbose=False)
         self.n_vocab = self.llm.n_vocab()
         self.extra_s = 0.0  # the last proposal's catching up beyond one batch
@@ -229,6 +231,16 @@ def target_probs(sampler: Any, ctx: Any, idx: int, n_vocab: int) -> np.ndarray |
 
 
 PROMPT_LOOKUP = "prompt-lookup"  # --model-draft's name for llama-cpp-python's LlamaPromptLookupDecoding
+
+
+def check_draft_file(draft: Any) -> None:
+    """Refuse a GGUF draft with recurrent layers (before anything loads): it drafts a token a call, and its next
+    call rewinds past the ones the target rejected; the snapshots of a batch's last tokens (n_rs_seq) cannot take
+    it back that far, and llama-cpp-python would decode on a state that is ahead of its positions."""
+    if isinstance(draft, (str, os.PathLike)) and os.path.isfile(draft) and read_layout(draft).has_recurrent_layers:
+        raise ConfigError(f"the draft model {os.path.basename(draft)} has recurrent layers, whose state cannot "
+                          "forget its own rejected tokens: draft with a model without them, or with --model-draft "
+                          "prompt-lookup")
 
 
 def open_speculation(draft: str | os.PathLike[str] | LlamaDraftModel, *, target: Any, n_ctx: int, n_batch: int,
