@@ -244,15 +244,32 @@ def test_a_draft_for_a_model_that_cannot_roll_back_is_refused(model_dir: Path) -
         primaplug.Llama(synthetic_path(model_dir, "qwen3next", 7, "Q8_0"), draft_model="prompt-lookup", **KWARGS)
 
 
-def test_a_draft_model_with_recurrent_layers_is_refused(model_dir: Path) -> None:
-    """A GGUF draft drafts a token a call and rewinds its own context past the target's rejections, further than
-    a batch's snapshots reach (llama-cpp-python then failed in llama_decode): refused before anything loads."""
-    import primaplug
-    from primaplug.core.errors import ConfigError
+def test_a_draft_with_recurrent_layers_goes_back_to_the_state_it_kept(model_dir: Path) -> None:
+    """A Qwen 3.5 draft drafts a token a call; when the target rejects its first token it goes back to the state it
+    kept before drafting, and then proposes exactly what a draft that never saw the rejected tokens proposes; its
+    own llama_decode never sees a state ahead of its positions (it failed so before)."""
+    from primaplug.decoding import SamplingParams
+    from primaplug.engine.speculative import GgufDraft
 
-    target = synthetic_path(model_dir, "qwen35", 7, "Q8_0")
-    with pytest.raises(ConfigError, match="draft model .* has recurrent layers.*prompt-lookup"):
-        primaplug.Llama(target, draft_model=target, **KWARGS)
+    path = synthetic_path(model_dir, "qwen35", 7, "Q8_0")
+    greedy, rng = SamplingParams(temp=0.0), np.random.default_rng(0)
+    prompt = list(range(10, 40))
+    draft = GgufDraft(path, n_ctx=256, n_batch=64, n_threads=2)
+    try:
+        assert draft.recurrent
+        first, _ = draft.propose(np.array(prompt), 3, greedy, rng)
+        rejected = prompt + [(first[0] + 1) % 900 + 5]  # the target chose another token than the draft's first
+        again, _ = draft.propose(np.array(rejected), 3, greedy, rng)
+        kept = rejected + again[:1]  # the next step keeps one drafted token
+        last, _ = draft.propose(np.array(kept + [7]), 3, greedy, rng)
+    finally:
+        draft.close()
+    for context, got in ((rejected, again), (kept + [7], last)):
+        fresh = GgufDraft(path, n_ctx=256, n_batch=64, n_threads=2)
+        try:
+            assert fresh.propose(np.array(context), 3, greedy, rng)[0] == got
+        finally:
+            fresh.close()
 
 
 def test_batches_of_up_to_three_rows_round_as_one_row(gemma_path: Path) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 from llama_cpp import llama_cpp as _ll
 from llama_cpp.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding
 
-from primaplug.core.errors import ConfigError
+from primaplug.core.errors import ConfigError, EngineError
 from primaplug.core.settings import DRAFT_MAX, DRAFT_MIN
 from primaplug.decoding import DraftLength, SamplingParams, SpeculationStats, draft_probs
 from primaplug.engine.layout import read_layout
@@ -35,14 +35,20 @@ class GgufDraft:
     It drafts as many tokens as it is asked for. llama.cpp also stops a greedy draft at a token the draft gives less
     than --draft-p-min (0.75); here the length follows the measured acceptance and costs (decoding.DraftLength)
     instead: on a ring, where a trip costs many drafted tokens, stopping at every uncertain token drafts too little.
+
+    A draft with recurrent layers (Qwen 3.5, LFM2) cannot forget the tokens it drafted one by one: before drafting
+    it keeps its sequence's state (llama_state_seq_get_data: the recurrent states and the attention cache), and
+    goes back to it when the target kept fewer than it drafted. That costs a copy of the sequence's state a step
+    (the attention layers' cache grows with the conversation), against a trip round the ring.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, n_ctx: int, n_batch: int, n_threads: int) -> None:
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
             raise ConfigError(f"the draft model {self.path} is not a file: pass a GGUF path (--model-draft)")
-        check_draft_file(self.path)
+        self.recurrent = read_layout(self.path).has_recurrent_layers
         self.llm = llama_cpp.Llama(self.path, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, verbose=False)
+        self._kept: tuple[ctypes.Array[ctypes.c_uint8], int] | None = None  # a recurrent draft's state, positions
         self.n_vocab = self.llm.n_vocab()
         self.extra_s = 0.0  # the last proposal's catching up beyond one batch
 
@@ -61,7 +67,7 @@ class GgufDraft:
         llm, ctx = self.llm, [int(t) for t in context]
         held = llm.input_ids[: llm.n_tokens]
         m = int(np.argmin(np.append(held[: len(ctx)] == ctx[: len(held)], False))) if len(held) else 0
-        at = llm.n_tokens = min(m, len(ctx) - 1)  # Llama.eval forgets positions from n_tokens on
+        at = llm.n_tokens = self._rewind(min(m, len(ctx) - 1))  # Llama.eval forgets positions from n_tokens on
         catch_up = [ctx[a:b] for a, b in _pieces(at, len(ctx), prefill)]
         t0 = time.perf_counter()
         for piece in catch_up[:-1]:
@@ -70,6 +76,8 @@ class GgufDraft:
         # drafting (or a new prompt), not of a drafted token: DraftLength must not count it as one
         self.extra_s = time.perf_counter() - t0
         llm.eval(catch_up[-1])
+        if self.recurrent:
+            self._keep()
         tokens: list[int] = []
         qs: list[np.ndarray] = []
         for i in range(n):
@@ -84,6 +92,25 @@ class GgufDraft:
             if i + 1 < n:
                 llm.eval([tok])
         return tokens, (None if params.greedy else qs)
+
+    def _rewind(self, at: int) -> int:
+        """Where the draft's context goes on from, at `at` or before: a recurrent draft goes back to the state it
+        kept, or, when that lies past `at`, to nothing (Llama.eval then clears its sequence)."""
+        if not self.recurrent or at >= self.llm.n_tokens:
+            return at
+        if self._kept is not None and self._kept[1] <= at:
+            data, pos = self._kept
+            ctx = self.llm._ctx.ctx
+            if _ll.llama_state_seq_set_data(ctx, data, len(data), 0) != len(data):
+                raise EngineError("the draft could not go back to the state it kept (llama_state_seq_set_data)")
+            return pos
+        return 0
+
+    def _keep(self) -> None:
+        ctx = self.llm._ctx.ctx
+        data = (ctypes.c_uint8 * _ll.llama_state_seq_get_size(ctx, 0))()
+        n = _ll.llama_state_seq_get_data(ctx, data, len(data), 0)
+        self._kept = (data, self.llm.n_tokens) if n == len(data) else None
 
     def close(self) -> None:
         self.llm.close()
@@ -231,16 +258,6 @@ def target_probs(sampler: Any, ctx: Any, idx: int, n_vocab: int) -> np.ndarray |
 
 
 PROMPT_LOOKUP = "prompt-lookup"  # --model-draft's name for llama-cpp-python's LlamaPromptLookupDecoding
-
-
-def check_draft_file(draft: Any) -> None:
-    """Refuse a GGUF draft with recurrent layers (before anything loads): it drafts a token a call, and its next
-    call rewinds past the ones the target rejected; the snapshots of a batch's last tokens (n_rs_seq) cannot take
-    it back that far, and llama-cpp-python would decode on a state that is ahead of its positions."""
-    if isinstance(draft, (str, os.PathLike)) and os.path.isfile(draft) and read_layout(draft).has_recurrent_layers:
-        raise ConfigError(f"the draft model {os.path.basename(draft)} has recurrent layers, whose state cannot "
-                          "forget its own rejected tokens: draft with a model without them, or with --model-draft "
-                          "prompt-lookup")
 
 
 def open_speculation(draft: str | os.PathLike[str] | LlamaDraftModel, *, target: Any, n_ctx: int, n_batch: int,

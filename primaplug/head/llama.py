@@ -24,7 +24,7 @@ from primaplug.decoding import check_draft_length
 from primaplug.device import DeviceWindows, MemorySettings
 from primaplug.engine import BUSY_POLL, ContextSettings, read_layout
 from primaplug.engine.ring_llama import RingLlama
-from primaplug.engine.speculative import Speculation, check_draft_file, draft_token_seconds, open_speculation
+from primaplug.engine.speculative import Speculation, draft_token_seconds, open_speculation
 from primaplug.head.batching import Batcher
 from primaplug.head.cluster import Cluster, ClusterSettings, Route
 from primaplug.head.events import Events, Notice, Reformed
@@ -183,7 +183,6 @@ class Llama(RingLlama):
         layout.check_supported()
         # a rejected draft's tokens are forgotten from the recurrent states' snapshots, one a drafted token
         rollback = draft_max if draft_model is not None and layout.has_recurrent_layers else 0
-        check_draft_file(draft_model)
         if rollback and not layout.can_roll_back:
             raise ConfigError(f"{path.name} has recurrent layers ({layout.arch}), whose states llama.cpp cannot roll "
                               "back past a rejected draft's tokens: run it without a draft model (--draft). Qwen 3.5 "
