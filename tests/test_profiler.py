@@ -73,6 +73,20 @@ def test_a_mixture_of_experts_token_computes_only_its_experts(model_dir) -> None
     assert p.layer_bytes == round(sum(layout.layer_bytes(il) for il in range(7)) / 7)  # every expert is stored
 
 
+def test_recurrent_states_count_in_a_layers_memory(model_dir) -> None:
+    """Qwen 3.5's gated delta-net layers keep a state a sequence instead of a KV cache: Halda places it with the
+    layer, once per sequence and per snapshot a draft rolls back to (head/planning.py)."""
+    layout = read_layout(synthetic_path(model_dir, "qwen35", 7, "Q8_0"))
+    recurrent = [il for il in range(7) if layout.is_recurrent(il)]
+    assert recurrent and layout.recurrent_state_bytes > 0
+    p = profile_model(layout, n_ctx=1000, n_batch=512, n_ubatch=128)
+    assert p.state_bytes_layer == round(len(recurrent) * layout.recurrent_state_bytes / 7)
+    assert p.layer_bytes_with_kv == p.layer_bytes + p.kv_bytes_per_token_layer * 1000 + p.state_bytes_layer
+    plain = profile_model(read_layout(synthetic_path(model_dir, "llama", 7, "Q8_0")), n_ctx=1000, n_batch=512,
+                          n_ubatch=128)
+    assert plain.state_bytes_layer == 0
+
+
 def test_gemma_profile(gemma_path) -> None:
     layout = read_layout(gemma_path)
     p = profile_model(layout, n_ctx=4096, n_batch=512, n_ubatch=512)

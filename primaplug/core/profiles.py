@@ -123,6 +123,9 @@ class ModelProfile(msgspec.Struct, frozen=True, kw_only=True):
     # them one token uses (n_expert_used / n_expert): what a node reading only the chosen experts reads
     layer_expert_bytes: int = 0
     expert_token_share: float = 0.0
+    # recurrent layers (gated delta-net, short convolutions): the state a layer keeps, on average over the layers,
+    # for one sequence; planning multiplies it by the sequences and the snapshots a draft needs (n_rs_seq)
+    state_bytes_layer: int = 0
 
     @property
     def hidden_bytes(self) -> int:
@@ -138,5 +141,5 @@ class ModelProfile(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def layer_bytes_with_kv(self) -> int:
-        """b': one layer's weights plus its KV cache for n_kv tokens."""
-        return self.layer_bytes + self.kv_bytes_per_token_layer * self.n_kv
+        """b': one layer's weights plus its KV cache for n_kv tokens (and its recurrent states)."""
+        return self.layer_bytes + self.kv_bytes_per_token_layer * self.n_kv + self.state_bytes_layer

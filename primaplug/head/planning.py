@@ -50,8 +50,10 @@ def measure(cluster: Cluster, path: str | os.PathLike[str], layout: ModelLayout,
     """Profile the model, the head and every node of a connected cluster, and the ring's links."""
     s, say = cluster.settings, lambda what: cluster.events.publish(Notice(what))
     model = profile_model(layout, n_ctx=s.n_ctx, n_batch=s.n_batch, n_ubatch=s.n_ubatch)
-    # every sequence in flight has a cache of n_ctx positions on every device: the memory Halda places
-    model = msgspec.structs.replace(model, n_kv=model.n_kv * s.n_parallel)
+    # every sequence in flight has a cache of n_ctx positions on every device, and a recurrent state with the
+    # snapshots a draft rolls back to (n_rs_seq): the memory Halda places
+    model = msgspec.structs.replace(model, n_kv=model.n_kv * s.n_parallel,
+                                    state_bytes_layer=model.state_bytes_layer * s.n_parallel * (1 + s.n_rs_seq))
     say("profiling the nodes (measured once per device, then cached there)")
     nodes = cluster.profiles(force=settings.force_profile)
     say("profiling this device (the head)")

@@ -193,4 +193,6 @@ def profile_model(layout: ModelLayout, *, n_ctx: int, n_batch: int, n_ubatch: in
         compute_buffer_row_bytes=compute_buffer_layers_bytes(layout, n_ctx, 1, 1),
         layer_expert_bytes=round(sum(layout.n_expert * layout.expert_bytes(il) for il in range(n_layer)) / n_layer),
         expert_token_share=layout.n_expert_used / layout.n_expert if layout.n_expert else 0.0,
+        state_bytes_layer=round(sum(layout.cache_bytes(il, n_ctx) for il in range(n_layer) if layout.is_recurrent(il))
+                                / n_layer),
     )
