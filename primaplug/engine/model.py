@@ -196,14 +196,13 @@ class Model:
         cpu_layers = self.layers - gpu
         self.repack = repack
         self.copy: RepackedCopy | None = None
-        if not (repack and needs_copy(self.layout, cpu_layers, output)):
-            pass
-        elif repack_in is not None and can_repack_in_place(self.layout, cpu_layers, output):
-            self.copy = repack_in_place(self.layout, repack_in, cpu_layers, gpu, output=output, progress=progress,
-                                        chunk_bytes=copy_chunk_bytes)
-        else:
-            self.copy = repacked_copy(self.layout, cpu_layers, gpu, output=output, progress=progress,
-                                      chunk_bytes=copy_chunk_bytes)
+        if repack and needs_copy(self.layout, cpu_layers, output):
+            if repack_in is not None and can_repack_in_place(self.layout, cpu_layers, output):
+                self.copy = repack_in_place(self.layout, repack_in, cpu_layers, gpu, output=output,
+                                            progress=progress, chunk_bytes=copy_chunk_bytes)
+            else:
+                self.copy = repacked_copy(self.layout, cpu_layers, gpu, output=output, progress=progress,
+                                          chunk_bytes=copy_chunk_bytes)
         self.source = self.copy.path if self.copy else self.path  # the file mapped: prefetch and release this one
         cpu = _native.LLAMA_WINDOW_PLACEMENT_CPU_REPACKED if self.copy else _native.LLAMA_WINDOW_PLACEMENT_CPU
         n_all = self.layout.n_layer_all

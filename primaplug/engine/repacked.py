@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from llama_cpp import llama_cpp as _ll
@@ -63,7 +63,7 @@ from primaplug.engine.layout import (
     unit_tensors,
     units_for,
 )
-from primaplug.engine.unrepack import layout_for, repacks, undo_range
+from primaplug.engine.unrepack import RepackLayout, layout_for, repacks, undo_range
 
 log = logging.getLogger(__name__)
 
@@ -192,8 +192,7 @@ def undo_in_place(layout: ModelLayout, fd: int, unit: str, tensors: dict[str, st
         lay = layout_for(t)
         if lay is None or lay.key != key:
             raise EngineError(f"{t.name} was repacked by another engine or CPU; it cannot be put back")
-        for o in range(t.offset, t.end, _SLICE):
-            raw = undo_range(t, lay, lambda off, n: _pread_all(fd, off, n), o, min(t.end, o + _SLICE))
+        for o, raw in _undone(t, lay, lambda off, n: _pread_all(fd, off, n)):
             os.pwrite(fd, raw.tobytes(), o)
 
 
@@ -361,29 +360,28 @@ def _repack(layout: ModelLayout, units: list[str], spans: dict[str, TensorSpan],
 _SLICE = 8 << 20  # bytes undone at a time (whole tiles are read around each slice)
 
 
+def _undone(span: TensorSpan, lay: RepackLayout, read: Callable[[int, int], Any]) -> Iterator[tuple[int, np.ndarray]]:
+    """A repacked tensor's bytes as the model file has them, _SLICE at a time: (file offset, bytes)."""
+    for o in range(span.offset, span.end, _SLICE):
+        yield o, undo_range(span, lay, read, o, min(span.end, o + _SLICE))
+
+
 def _check_undo(span: TensorSpan, repacked: memoryview, fd: int) -> str:
     """The key of the layout that undoes this tensor's repacked bytes into the file's, checked on every byte."""
     lay = layout_for(span)
     if lay is None:
         raise EngineError(f"llama.cpp repacked {span.name} ({span.type_name}), which engine/unrepack.py cannot undo")
     data = np.frombuffer(repacked, np.uint8)
-    for o in range(span.offset, span.end, _SLICE):
-        end = min(span.end, o + _SLICE)
-        mine = undo_range(span, lay, lambda off, n: data[off - span.offset:off - span.offset + n], o, end)
-        if not np.array_equal(mine, _pread_all(fd, o, end - o)):
+    for o, mine in _undone(span, lay, lambda off, n: data[off - span.offset:off - span.offset + n]):
+        if not np.array_equal(mine, _pread_all(fd, o, mine.size)):
             raise EngineError(f"{span.name} ({span.type_name}): its repacked bytes do not undo into the file's; "
                               "it is not repacked in place")
     return lay.key
 
 
 def _copy_range(fd_in: int, fd_out: int, offset: int, n: int) -> None:
-    done = 0
-    while done < n:
-        data = os.pread(fd_in, min(n - done, 8 << 20), offset + done)
-        if not data:
-            raise EngineError(f"the model file ended at byte {offset + done}, inside a tensor: is it truncated?")
-        os.pwrite(fd_out, data, offset + done)
-        done += len(data)
+    for o in range(offset, offset + n, _SLICE):
+        os.pwrite(fd_out, _pread_all(fd_in, o, min(offset + n - o, _SLICE)), o)
 
 
 def _drop_cache(fd: int, offset: int, n: int) -> None:

@@ -140,9 +140,9 @@ def learn(type_name: str, ne0: int) -> RepackLayout | None:
 
 def _tile_rows(src: np.ndarray, c_bits: np.ndarray, row_bits: int) -> int:
     """The fewest rows the permutation repeats over (it never moves a bit out of its tile)."""
+    j = np.arange(src.size)
     for rows in (1, 2, 4, 8):
         tile = rows * row_bits
-        j = np.arange(src.size)
         if (np.array_equal(src // tile, j // tile) and np.array_equal(src % tile, np.tile(src[:tile], src.size // tile))
                 and np.array_equal(c_bits, np.tile(c_bits[:tile], src.size // tile))):
             return rows

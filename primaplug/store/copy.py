@@ -32,7 +32,7 @@ from primaplug.core.errors import ConfigError, ModelFormatError, PrimaplugError,
 from primaplug.engine import ModelLayout, TensorSpan, read_layout
 from primaplug.engine.layout import INPUT, unit_tensors
 from primaplug.memory.system import fd_path
-from primaplug.store.manifest import IDENTITY, check_identity, check_manifest, piece_plan
+from primaplug.store.manifest import IDENTITY, Piece, check_identity, check_manifest, piece_plan
 from primaplug.wire import Manifest
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,8 @@ class SparseCopy:
         # held while a layer's form changes (repacked in place, or put back) and while a piece is read for a peer,
         # so that a peer never reads a layer half rewritten
         self.lock = threading.RLock()
-        self._input_pieces: list[int] | None = None
+        self._pieces: list[Piece] | None = None  # the layout's cut (piece_plan), once the header is read
+        self._embd: tuple[TensorSpan | None, list[int]] | None = None  # the token embedding, and its pieces
         self.path = folder / f"{_stem(manifest.model)}.gguf"
         self._record_path = self.path.with_suffix(".pieces")
         self.held: dict[int, float] = dict(held or {})
@@ -115,7 +116,7 @@ class SparseCopy:
     def held_units(self) -> tuple[str, ...]:
         """The units (engine/layout.py) whose every piece it holds; none before its header is."""
         try:
-            plan = piece_plan(self.layout())
+            plan = self.pieces()
         except (PrimaplugError, OSError):
             return ()
         units: dict[str, bool] = {}
@@ -138,6 +139,12 @@ class SparseCopy:
             self._check_forms()
         return self._layout
 
+    def pieces(self) -> list[Piece]:
+        """The layout's cut of the file into pieces (piece_plan), computed once."""
+        if self._pieces is None:
+            self._pieces = piece_plan(self.layout())
+        return self._pieces
+
     def _check_forms(self) -> None:
         """Forget the units repacked in place under a layout this engine does not undo (another engine or CPU
         repacked them): their pieces are fetched again."""
@@ -151,17 +158,18 @@ class SparseCopy:
                         self.file_name, len(set(stale)))
             for u in set(stale):
                 del self.forms[u]
-            self.drop([i for i, p in enumerate(piece_plan(layout)) if p.unit in stale])
+            self.drop([i for i, p in enumerate(self.pieces()) if p.unit in stale])
 
     # --- the token embedding's rows, sent by the head with the tokens (head/embedding.py) ---------------------
 
     def _embedding(self) -> TensorSpan | None:
         """The token embedding, when the copy does not hold it whole (its rows come one by one). Asked every token:
-        the embedding's pieces are found once."""
-        if self._input_pieces is None:
-            self._input_pieces = [i for i, p in enumerate(piece_plan(self.layout())) if p.unit == INPUT]
-        t = self.layout().tensor("token_embd.weight")
-        return None if t is None or all(i in self.held for i in self._input_pieces) else t
+        the embedding and its pieces are found once."""
+        if self._embd is None:
+            self._embd = (self.layout().tensor("token_embd.weight"),
+                          [i for i, p in enumerate(self.pieces()) if p.unit == INPUT])
+        t, pieces = self._embd
+        return None if t is None or all(i in self.held for i in pieces) else t
 
     def write_rows(self, ids: Sequence[int], data: bytes | memoryview) -> None:
         """Store the token embedding's rows of these ids, as the head's file holds them."""
@@ -202,17 +210,18 @@ class SparseCopy:
     def _read(self, index: int) -> bytes:
         offset = self.manifest.offsets[index]
         data = os.pread(self.fd, self.manifest.lengths[index], offset)
-        if not self.forms or offset < self.manifest.header_bytes:
+        tensors = self.forms.get(self.pieces()[index].unit) if self.forms else None
+        if not tensors:  # held as the file has it (a piece is one unit's)
             return data
         from primaplug.engine.unrepack import layout_for, undo_range
 
         raw: bytearray | None = None
         end = offset + len(data)
-        for span, key in self._repacked():
-            if span.end <= offset or span.offset >= end:
+        for span in unit_tensors(self.layout(), self.pieces()[index].unit):
+            if span.name not in tensors or span.end <= offset or span.offset >= end:
                 continue
             lay = layout_for(span)
-            if lay is None or lay.key != key:  # _check_forms dropped those: the hash will fail, as it should
+            if lay is None or lay.key != tensors[span.name]:  # _check_forms dropped those: the hash fails, as it should
                 continue
             a, b = max(offset, span.offset), min(end, span.end)
             if raw is None:
@@ -223,10 +232,6 @@ class SparseCopy:
     def _pread(self, offset: int, n: int) -> bytes:
         return os.pread(self.fd, n, offset)
 
-    def _repacked(self) -> list[tuple[TensorSpan, str]]:
-        layout = self.layout()
-        return [(t, tensors[t.name]) for u, tensors in list(self.forms.items()) for t in unit_tensors(layout, u)
-                if t.name in tensors]
 
     def save(self) -> None:
         """Write the record of what it holds (after the pieces' bytes are on the disk, so that a crash never
@@ -280,7 +285,7 @@ class SparseCopy:
                 self.forms.clear()
                 indices = [i for i in self.held if self.manifest.offsets[i] >= self.manifest.header_bytes] + indices
             else:
-                plan, going = piece_plan(layout), set(indices)
+                plan, going = self.pieces(), set(indices)
                 for unit in {plan[i].unit for i in indices} & set(self.forms):
                     tensors = self.forms.pop(unit)
                     if any(plan[i].unit == unit for i in self.held if i not in going):  # some of it stays
