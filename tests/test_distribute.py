@@ -352,6 +352,16 @@ def test_nodes_without_the_file_fetch_their_windows_and_give_plains_tokens(gemma
         store = Store(folder, ROOM)
         (copy,) = store.copies.values()
         assert copy.verify(mine[1:]) == [] and not copy.missing(mine[1:])
+        # a layer repacked under a layout this engine does not undo (another engine or CPU) is fetched again
+        other = next(u for u, tensors in copy.forms.items() if tensors)
+        copy.forms[other] = dict.fromkeys(copy.forms[other], "0" * 16)
+        copy.save()
+        store.close()
+        store = Store(folder, ROOM)
+        (copy,) = store.copies.values()
+        copy.layout()
+        theirs = [i for i, p in enumerate(copy.pieces()) if p.unit == other]
+        assert other not in copy.forms and copy.missing(theirs) == theirs
         store.close()
     plain = llama_cpp.Llama(str(gemma_path), **kwargs)
     want = plain(prompt, max_tokens=24, temperature=0)["choices"][0]["text"]

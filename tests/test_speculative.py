@@ -234,6 +234,24 @@ def test_a_rejected_draft_is_rolled_back_on_the_nodes(model_dir: Path, tmp_path:
             path, lambda draft: _head_windows(path, draft, nodes=nodes.addresses, scheduler="even"))
 
 
+def test_a_node_refuses_snapshots_no_batch_could_use(streaming_model: Path) -> None:
+    """Assignment.n_rs_seq comes over the wire: a node takes 0 to a batch's tokens, and says so otherwise, before
+    llama.cpp sizes its states by it."""
+    import msgspec
+
+    from primaplug.engine import read_layout
+    from primaplug.node.daemon import _check_assignment
+    from primaplug.wire import Assignment, ModelIdentity, WindowSpec
+
+    layout = read_layout(streaming_model)
+    a = Assignment(epoch=1, model=ModelIdentity.of(layout, "m.gguf"), windows=(WindowSpec(0, 3),),
+                   successor="tcp://127.0.0.1:9", n_ctx=64, n_batch=32, n_ubatch=32)
+    for n in (0, 4, 32):
+        assert _check_assignment(msgspec.structs.replace(a, n_rs_seq=n), layout) == ""
+    for n in (-1, 33, 2**40):
+        assert "recurrent-state snapshots" in _check_assignment(msgspec.structs.replace(a, n_rs_seq=n), layout)
+
+
 def test_a_draft_for_a_model_that_cannot_roll_back_is_refused(model_dir: Path) -> None:
     """Qwen3-Next's delta-net keeps no per-token snapshots in llama.cpp: refused before anything loads, saying what
     to turn off."""
