@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import re
 import shutil
@@ -49,6 +50,8 @@ from benchmarks.peer_systems.rig import Rig  # noqa: E402
 from benchmarks.testbed.cgroups import CgroupUnavailableError  # noqa: E402
 from benchmarks.testbed.cluster import Terminated, unwind_on_sigterm  # noqa: E402
 from benchmarks.testbed.devices import PAPER_D1_D4, Device, scaled  # noqa: E402
+from benchmarks.testbed.hops import breakdown  # noqa: E402
+from benchmarks.testbed.linkproxy import TRACE_ENV  # noqa: E402
 from benchmarks.testbed.view import Lxcfs  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -234,6 +237,8 @@ def run_once(system: str, peers: Peers, w: Workload, devices: tuple[Device, ...]
              meminfo: Path, model: Path) -> dict[str, Any]:
     """One run of one system: fresh cgroups, cold page cache, every device sampled; its figures and evidence."""
     job.logs.mkdir(parents=True, exist_ok=True)
+    (job.logs / "links").mkdir(exist_ok=True)
+    os.environ[TRACE_ENV] = str(job.logs / "links")  # the link proxy's record of every chunk (hops.py)
     t0 = time.monotonic()
     with Rig(devices, work, meminfo) as rig, rig.measure() as m:
         def first() -> None:
@@ -259,6 +264,10 @@ def run_once(system: str, peers: Peers, w: Workload, devices: tuple[Device, ...]
         sigkilled = [(device, ended) for device, code, ended in rig.exits() if code == -9]
         finished = time.monotonic()
     devices_stats = m.summary(job.tokens, out.ttft_s)
+    hops = None  # where a decoding step's wall time went: each device, the links (testbed/hops.py)
+    if out.status == "ok" and m.first_at is not None and out.tpot_s is not None and job.tokens > 1:
+        hops = breakdown(job.logs / "links", m.first_at, m.first_at + (job.tokens - 1) * out.tpot_s, job.tokens - 1)
+    shutil.rmtree(job.logs / "links", ignore_errors=True)
     killed = [name for name, s in devices_stats.items() if s["oom_kills"]]
     victims = [(device, ended) for device, ended in sigkilled if device in killed]
     if victims and out.status != "unsupported":
@@ -269,7 +278,7 @@ def run_once(system: str, peers: Peers, w: Workload, devices: tuple[Device, ...]
         out.error += f" (the OOM killer also killed a process in {', '.join(killed)})"
     return {"status": out.status, "ttft_s": _round(out.ttft_s), "tpot_s": _round(out.tpot_s), "split": out.split,
             "error": out.error, "text": out.text.decode("latin-1") if out.text is not None else None,
-            "token_ids": out.token_ids, "devices": devices_stats, "detail": out.detail,
+            "token_ids": out.token_ids, "devices": devices_stats, "hops": hops, "detail": out.detail,
             "logs": str(job.logs.relative_to(RESULTS)), "wall_s": round(time.monotonic() - t0, 1)}
 
 

@@ -213,3 +213,45 @@ def test_what_is_committed_names_no_path_of_this_machine(tmp_path: Path) -> None
     text = log.read_bytes().decode("latin-1")
     assert text == "$ <prima.cpp>/llama-cli -m ~/.cache/m.gguf\n<repo>/x.py\n\xff\n"
     assert peers.scrub(f"--dllama {tmp_path}/distributed-llama") == "--dllama <distributed-llama>"
+
+
+def test_a_step_s_wall_time_splits_into_each_sender_s_time_and_the_links_from_the_proxy_s_traces(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ring of two parties through two traced links: `a` passes a message to `b`, which holds it 30 ms and passes it
+    back. Every message crosses at least its link's latency; the sleeps bound each party's share from below; the
+    parts add up to the wall time."""
+    import time
+
+    from benchmarks.testbed.hops import breakdown
+    from benchmarks.testbed.linkproxy import TRACE_ENV
+
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path))
+    srv_a, srv_b = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
+    proxy = LinkProxy()
+    try:
+        to_b = proxy.route(f"tcp://127.0.0.1:{srv_b.getsockname()[1]}", 20, 1000, sender="a")
+        to_a = proxy.route(f"tcp://127.0.0.1:{srv_a.getsockname()[1]}", 20, 1000, sender="b")
+        a_out = socket.create_connection(tuple(to_b.removeprefix("tcp://").rsplit(":", 1)))  # type: ignore[arg-type]
+        b_out = socket.create_connection(tuple(to_a.removeprefix("tcp://").rsplit(":", 1)))  # type: ignore[arg-type]
+        b_in, a_in = srv_b.accept()[0], srv_a.accept()[0]
+        start = time.monotonic()
+        for _ in range(3):
+            a_out.sendall(b"x" * 100)
+            assert len(b_in.recv(100, socket.MSG_WAITALL)) == 100
+            time.sleep(0.03)
+            b_out.sendall(b"y" * 100)
+            assert len(a_in.recv(100, socket.MSG_WAITALL)) == 100
+            end = time.monotonic()
+        for s in (a_out, b_out, a_in, b_in):
+            s.close()
+    finally:
+        proxy.close()
+        srv_a.close()
+        srv_b.close()
+    hops = breakdown(tmp_path, start, end, 3)
+    assert hops["messages_per_step"] == 2
+    assert set(hops["device_ms"]) == {"a", "b"}
+    assert hops["device_ms"]["b"] >= 30
+    assert hops["link_ms"] >= 40
+    parts = sum(hops["device_ms"].values()) + hops["link_ms"] + hops["proxy_late_ms"]
+    assert abs(parts - hops["wall_ms"]) < 1

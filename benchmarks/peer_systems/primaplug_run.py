@@ -52,7 +52,8 @@ def run(rig: Rig, job: Job, on_first_token: Any, *, scale: float = 1.0) -> Outco
         for i, node in zip(used[1:], nodes.nodes, strict=True):
             rig.watch(node.proc, i)
         assert rig.proxy is not None
-        links = ",".join(f"{rig.devices[i].link_latency_ms}:{rig.devices[i].link_mbit}" for i in used)
+        links = ",".join(f"{rig.devices[i].link_latency_ms}:{rig.devices[i].link_mbit}:{rig.devices[i].name}"
+                         for i in used)
         argv = [sys.executable, "-m", "benchmarks.peer_systems.primaplug_run", "--model", str(rig.copy(0, job.model)),
                 "--nodes", ",".join(nodes.addresses), "--proxy", rig.proxy.control, "--links", links,
                 "--prompt", job.prompt, "--tokens", str(job.tokens), "--threads", str(job.threads[0]),
@@ -109,15 +110,15 @@ def _head(a: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("primaplug.llama").setLevel(logging.ERROR)
     nodes = a.nodes.split(",")
-    links = [tuple(float(x) for x in link.split(":")) for link in a.links.split(",")]
+    links = [(float(lat), float(mbit), name) for lat, mbit, name in (link.split(":") for link in a.links.split(","))]
     proxy = RemoteLinks(a.proxy)
     routes: dict[tuple[str, str], str] = {}
 
     def route(sender: str, endpoint: str) -> str:
         """The sender's device's link: the head is device 0, node i device i + 1."""
         if (sender, endpoint) not in routes:
-            latency_ms, mbit = links[0 if sender == "head" else nodes.index(sender) + 1]
-            routes[sender, endpoint] = proxy.route(endpoint, latency_ms, mbit)
+            latency_ms, mbit, device = links[0 if sender == "head" else nodes.index(sender) + 1]
+            routes[sender, endpoint] = proxy.route(endpoint, latency_ms, mbit, device)
         return routes[sender, endpoint]
 
     by_hand = [int(x) for x in a.split.split(",")] if a.split else []  # device order, the head first

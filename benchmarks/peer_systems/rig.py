@@ -242,7 +242,7 @@ class Rig:
         """The endpoint device `sender` connects to for `endpoint`: through its link (latency, bandwidth)."""
         assert self.proxy is not None
         d = self.devices[sender]
-        return self.proxy.route(endpoint, d.link_latency_ms, d.link_mbit, listen_port)
+        return self.proxy.route(endpoint, d.link_latency_ms, d.link_mbit, listen_port, d.name)
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[Measure]:

@@ -4,9 +4,11 @@ been "transmitted" at the link's rate and then travelled for its latency, in bot
 
 Run as a process controlled through stdin, one command a line (the first line it prints is the endpoint that takes
 the same commands from other processes):
-    add HOST PORT LATENCY_MS MBIT [LISTEN_PORT]   ->  prints "tcp://127.0.0.1:LISTEN_PORT" for the link to that
-                                                      target (any free port unless LISTEN_PORT is given), or
-                                                      "error: ..." when that port cannot be had
+    add HOST PORT LATENCY_MS MBIT [LISTEN_PORT [SENDER]]
+                                                  ->  prints "tcp://127.0.0.1:LISTEN_PORT" for the link to that
+                                                      target (any free port unless LISTEN_PORT is given, 0: any), or
+                                                      "error: ..." when that port cannot be had; SENDER names the
+                                                      device that sends on it, in its trace (TRACE_ENV)
     quit
 `LinkProxy` in this module starts and drives such a process; `RemoteLinks` drives it from another process.
 """
@@ -15,30 +17,44 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import subprocess
 import sys
 import time
 
 CHUNK = 64 << 10
+# a folder where each pipe writes when every chunk came in, was due and went out (peers.py's per-hop breakdown);
+# the times are kept in memory and written when the connection closes, so tracing adds no I/O to a token's path
+TRACE_ENV = "PRIMAPLUG_LINK_TRACE"
 
 
 class _Pipe:
     """One direction of one connection: schedules every chunk by the link's rate, then its latency."""
 
-    def __init__(self, latency_s: float, bytes_per_s: float) -> None:
-        self.latency_s, self.bytes_per_s = latency_s, bytes_per_s
+    def __init__(self, latency_s: float, bytes_per_s: float, name: str = "") -> None:
+        self.latency_s, self.bytes_per_s, self.name = latency_s, bytes_per_s, name
         self.free_at = 0.0  # when the emulated radio has sent what it was given
+        self.trace: list[tuple[float, float, float, int]] | None = [] if os.environ.get(TRACE_ENV) else None
+
+    def _write_trace(self) -> None:
+        if not self.trace:
+            return
+        path = os.path.join(os.environ[TRACE_ENV], f"{self.name}-{os.getpid()}-{id(self):x}.tsv")
+        with open(path, "w") as f:
+            f.write("".join(f"{t_in:.6f}\t{due:.6f}\t{t_out:.6f}\t{n}\n" for t_in, due, t_out, n in self.trace))
 
     async def run(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[float, float, bytes] | None] = asyncio.Queue()
 
         async def deliver() -> None:
             while (item := await queue.get()) is not None:
-                due, data = item
+                t_in, due, data = item
                 if (wait := due - loop.time()) > 0:
                     await asyncio.sleep(wait)
                 writer.write(data)
+                if self.trace is not None:
+                    self.trace.append((t_in, due, loop.time(), len(data)))  # loop.time() is time.monotonic()
                 await writer.drain()
 
         sender = asyncio.create_task(deliver())
@@ -46,25 +62,30 @@ class _Pipe:
             while data := await reader.read(CHUNK):
                 now = loop.time()
                 self.free_at = max(now, self.free_at) + len(data) / self.bytes_per_s
-                queue.put_nowait((self.free_at + self.latency_s, data))
+                queue.put_nowait((now, self.free_at + self.latency_s, data))
         except ConnectionError:
             pass
         finally:
             queue.put_nowait(None)
-            with contextlib.suppress(ConnectionError):
-                await sender
-            writer.close()
+            try:
+                with contextlib.suppress(ConnectionError):
+                    await sender
+            finally:  # also when the proxy is told to quit and its tasks are cancelled
+                writer.close()
+                self._write_trace()
 
 
-async def _link(target: tuple[str, int], latency_s: float, bytes_per_s: float, listen_port: int = 0) -> int:
+async def _link(target: tuple[str, int], latency_s: float, bytes_per_s: float, listen_port: int = 0,
+                sender: str = "") -> int:
     async def handle(r_in: asyncio.StreamReader, w_in: asyncio.StreamWriter) -> None:
         try:
             r_out, w_out = await asyncio.open_connection(*target)
         except OSError:
             w_in.close()
             return
-        await asyncio.gather(_Pipe(latency_s, bytes_per_s).run(r_in, w_out),
-                             _Pipe(latency_s, bytes_per_s).run(r_out, w_in))
+        # a trace's name: who sends on it (the connecting side, then the answering one) and the target's port
+        await asyncio.gather(_Pipe(latency_s, bytes_per_s, f"{sender}~to{target[1]}").run(r_in, w_out),
+                             _Pipe(latency_s, bytes_per_s, f"~from{target[1]}").run(r_out, w_in))
 
     server = await asyncio.start_server(handle, "127.0.0.1", listen_port)
     return server.sockets[0].getsockname()[1]
@@ -73,7 +94,8 @@ async def _link(target: tuple[str, int], latency_s: float, bytes_per_s: float, l
 async def _command(line: list[str]) -> str:
     host, port, latency_ms, mbit = line[1], int(line[2]), float(line[3]), float(line[4])
     try:
-        listen = await _link((host, port), latency_ms / 1000, mbit * 1e6 / 8, int(line[5]) if len(line) > 5 else 0)
+        listen = await _link((host, port), latency_ms / 1000, mbit * 1e6 / 8, int(line[5]) if len(line) > 5 else 0,
+                             line[6] if len(line) > 6 else "")
     except OSError as e:  # the fixed port is taken
         return f"error: {e}"
     return f"tcp://127.0.0.1:{listen}"
@@ -109,12 +131,13 @@ class LinkProxy:
         # where another process asks for links (RemoteLinks)
         self.control = self.proc.stdout.readline().strip().removeprefix("control ")
 
-    def route(self, endpoint: str, latency_ms: float, mbit: float, listen_port: int = 0) -> str:
+    def route(self, endpoint: str, latency_ms: float, mbit: float, listen_port: int = 0, sender: str = "") -> str:
         """The endpoint to connect to instead of `endpoint`: on `listen_port` of 127.0.0.1 if given (a peer that
-        derives its ports from its own, prima.cpp's ranks), else on any free one."""
+        derives its ports from its own, prima.cpp's ranks), else on any free one. `sender` names the sending device
+        in the link's trace."""
         host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(f"add {host.strip('[]')} {port} {latency_ms} {mbit} {listen_port}\n")
+        self.proc.stdin.write(f"add {host.strip('[]')} {port} {latency_ms} {mbit} {listen_port} {sender}\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline().strip()
         if not line.startswith("tcp://"):
@@ -144,9 +167,9 @@ class RemoteLinks:
         self.sock = socket.create_connection((host, int(port)))
         self.file = self.sock.makefile("rw")
 
-    def route(self, endpoint: str, latency_ms: float, mbit: float) -> str:
+    def route(self, endpoint: str, latency_ms: float, mbit: float, sender: str = "") -> str:
         host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-        self.file.write(f"add {host.strip('[]')} {port} {latency_ms} {mbit}\n")
+        self.file.write(f"add {host.strip('[]')} {port} {latency_ms} {mbit} 0 {sender}\n")
         self.file.flush()
         line = self.file.readline().strip()
         if not line.startswith("tcp://"):
