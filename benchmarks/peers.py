@@ -263,7 +263,7 @@ def run_once(system: str, peers: Peers, w: Workload, devices: tuple[Device, ...]
         # gdb for its backtrace, which a small device's cap kills)
         sigkilled = [(device, ended) for device, code, ended in rig.exits() if code == -9]
         finished = time.monotonic()
-    devices_stats = m.summary(job.tokens, out.ttft_s)
+    devices_stats = m.summary(job.tokens, out.ttft_s, out.tpot_s)
     hops = None  # where a decoding step's wall time went: each device, the links (testbed/hops.py)
     if out.status == "ok" and m.first_at is not None and out.tpot_s is not None and job.tokens > 1:
         hops = breakdown(job.logs / "links", m.first_at, m.first_at + (job.tokens - 1) * out.tpot_s, job.tokens - 1)
@@ -393,7 +393,8 @@ def median_row(system: str, placement: Placement, runs: list[dict[str, Any]], re
                       for name, s in chosen["devices"].items()},
            "max_pressure": max(s["pressure"] for s in chosen["devices"].values()),
            "oom_killed": sorted({n for r in runs for n, s in r["devices"].items() if s["oom_kills"]}),
-           "tokens_match_plain": tokens_match(chosen, ref), "detail": chosen["detail"], "logs": chosen["logs"]}
+           "tokens_match_plain": tokens_match(chosen, ref), "hops": chosen.get("hops"), "detail": chosen["detail"],
+           "logs": chosen["logs"]}
     return row
 
 
@@ -485,9 +486,9 @@ def workload(w: Workload, systems: list[str], peers: Peers, a: argparse.Namespac
                                                          "x_pooled_caps": round(model.stat().st_size / caps, 2)},
                              "devices": [d.__dict__ | {"cap_mib": round(d.cap_bytes / 2**20, 1)} for d in w.devices],
                              "tokens": w.tokens, "reference": ref, "rows": []}
-    found: dict[str, str] = {}
     device_sets = [w.devices] + ([w.more_devices] if w.more_devices and not a.quick else [])
     for devices in device_sets:
+        found: dict[str, str] = {}  # each ring system's own split, tried by the other: on these devices only
         for system in SYSTEMS:
             build = peers.build_info(system)
             if system == "exo" or system not in systems or (why := peers.missing(system)):

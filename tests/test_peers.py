@@ -255,3 +255,14 @@ def test_a_step_s_wall_time_splits_into_each_sender_s_time_and_the_links_from_th
     assert hops["link_ms"] >= 40
     parts = sum(hops["device_ms"].values()) + hops["link_ms"] + hops["proxy_late_ms"]
     assert abs(parts - hops["wall_ms"]) < 1
+
+
+def test_a_device_s_cpu_time_at_the_last_token_lies_between_the_watch_s_samples_around_it() -> None:
+    from benchmarks.testbed.memwatch import MemoryWatch
+
+    watch = MemoryWatch([])
+    watch.cpu_series = [(10.0, [1.0, None]), (10.1, [1.2, None]), (10.2, [1.6, None])]
+    assert watch.cpu_at(10.15) == [pytest.approx(1.4), None]
+    assert watch.cpu_at(10.1) == [pytest.approx(1.2), None]
+    assert watch.cpu_at(9.0) == [pytest.approx(1.0), None]  # before the first sample: the first
+    assert watch.cpu_at(11.0) == [pytest.approx(1.6), None]  # after the last: the last

@@ -134,12 +134,16 @@ class Measure:
     oom_after: list[int] = field(default_factory=list)
     first_at: float | None = None  # time.monotonic() of the first generated token
 
-    def summary(self, tokens: int, ttft_s: float | None = None) -> dict[str, Any]:
+    def summary(self, tokens: int, ttft_s: float | None = None, tpot_s: float | None = None) -> dict[str, Any]:
         """Per device. `pressure` is the paper's (Δ available memory over total memory, page cache aside) while the
         model runs: the peak of usage less page cache from the prompt's start (the first token less the TTFT) to the
         end, over the cap, from an empty cgroup (the system's own processes, their runtime included). Start-up
-        (profiling, loading) is in `peak_start_mib`, not in the pressure."""
+        (profiling, loading) is in `peak_start_mib`, not in the pressure. CPU time a token counts from the first
+        token to the last (its time from the TPOT, its CPU between the watch's samples around it): the processes'
+        exit stays out."""
         running = self.watch.peak_since(self.first_at - (ttft_s or 0.0) - 0.25) if self.first_at else None
+        if self.first_at is not None and tpot_s is not None and tokens > 1:
+            self.cpu_end = self.watch.cpu_at(self.first_at + (tokens - 1) * tpot_s)
         out = {}
         for i, name in enumerate(self.names):
             peak = running[i] if running else self.watch.peak_used[i]

@@ -84,8 +84,9 @@ async def _link(target: tuple[str, int], latency_s: float, bytes_per_s: float, l
             w_in.close()
             return
         # a trace's name: who sends on it (the connecting side, then the answering one) and the target's port
-        await asyncio.gather(_Pipe(latency_s, bytes_per_s, f"{sender}~to{target[1]}").run(r_in, w_out),
-                             _Pipe(latency_s, bytes_per_s, f"~from{target[1]}").run(r_out, w_in))
+        with contextlib.suppress(asyncio.CancelledError):  # the proxy told to quit with connections open
+            await asyncio.gather(_Pipe(latency_s, bytes_per_s, f"{sender}~to{target[1]}").run(r_in, w_out),
+                                 _Pipe(latency_s, bytes_per_s, f"~from{target[1]}").run(r_out, w_in))
 
     server = await asyncio.start_server(handle, "127.0.0.1", listen_port)
     return server.sockets[0].getsockname()[1]

@@ -88,12 +88,14 @@ class MemoryWatch:
     less page cache, in MiB."""
 
     def __init__(self, groups: Sequence[Cgroup], interval_s: float = 0.25) -> None:
+        self.groups = list(groups)
         self.dirs = [g.memory_dir() for g in groups]
         self.names = [g.name for g in groups]
         self.interval_s = interval_s
         self.marks: list[tuple[str, float, list[dict[str, int]]]] = []
         self.peak_used = [0] * len(self.dirs)
         self.series: list[tuple[float, list[int]]] = []  # (time.monotonic(), each device's usage less page cache)
+        self.cpu_series: list[tuple[float, list[float | None]]] = []  # (time.monotonic(), each device's CPU seconds)
         self._t0 = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="memwatch", daemon=True)
@@ -103,7 +105,15 @@ class MemoryWatch:
         for i, s in enumerate(now):
             self.peak_used[i] = max(self.peak_used[i], s["usage"] - s["file"])
         self.series.append((time.monotonic(), [s["usage"] - s["file"] for s in now]))
+        self.cpu_series.append((time.monotonic(), [g.cpu_seconds() for g in self.groups]))
         return now
+
+    def cpu_at(self, t: float) -> list[float | None]:
+        """Each device's CPU seconds at time.monotonic() t, between the samples around it (a straight line)."""
+        after = next((i for i, (when, _) in enumerate(self.cpu_series) if when >= t), len(self.cpu_series) - 1)
+        (t1, c1), (t0, c0) = self.cpu_series[after], self.cpu_series[max(0, after - 1)]
+        f = 0.0 if t1 <= t0 else min(1.0, max(0.0, (t - t0) / (t1 - t0)))
+        return [None if a is None or b is None else a + f * (b - a) for a, b in zip(c0, c1, strict=True)]
 
     def peak_since(self, t: float) -> list[int]:
         """Each device's largest usage less page cache sampled from time.monotonic() t on."""
