@@ -489,6 +489,7 @@ def workload(w: Workload, systems: list[str], peers: Peers, a: argparse.Namespac
     device_sets = [w.devices] + ([w.more_devices] if w.more_devices and not a.quick else [])
     for devices in device_sets:
         found: dict[str, str] = {}  # each ring system's own split, tried by the other: on these devices only
+        searches: list[tuple[int, SystemRows]] = []
         for system in SYSTEMS:
             build = peers.build_info(system)
             if system == "exo" or system not in systems or (why := peers.missing(system)):
@@ -500,55 +501,73 @@ def workload(w: Workload, systems: list[str], peers: Peers, a: argparse.Namespac
                                       "tpot_s": None, "ttft_s": None,
                                       "commit": build.get("commit", ""), "split": "", "error": reason})
                 continue
-            entry["rows"] += rows_for(system, peers, w, devices, layout, model, ref, build, a, meminfo,
-                                      logs / f"{len(devices)}dev" / system.replace(".", "_"), found)
+            rows = SystemRows(system, peers, w, devices, layout, model, ref, build, a, meminfo,
+                              logs / f"{len(devices)}dev" / system.replace(".", "_"), found)
+            entry["rows"].append(rows.own())
+            searches.append((len(entry["rows"]), rows))
+        # every system's own placement first, then the searches: each ring system tries the other's own split
+        searched = [(at, rows.search()) for at, rows in searches]
+        for at, more in reversed(searched):  # each after its system's own row
+            entry["rows"][at:at] = more
     entry["ratios"] = ratios(entry["rows"])
     for k, v in entry["ratios"].items():
         print(f"  {k}: {v}", file=sys.stderr)
     return entry
 
 
-def rows_for(system: str, peers: Peers, w: Workload, devices: tuple[Device, ...], layout: Any, model: Path,
-             ref: dict[str, Any], build: dict[str, str], a: argparse.Namespace, meminfo: Path, logs: Path,
-             found: dict[str, str]) -> list[dict[str, Any]]:
-    """Its own placement (a.runs runs), then the search: each candidate once, the fastest (if it beat the own
-    placement's median) run until it has a.runs too."""
-    threads = tuple(min(w.threads, max(1, int(d.cpus or w.threads))) for d in devices)
-    n_layer = layout.n_layer
+class SystemRows:
+    """One system's rows on one device set: its own placement (a.runs runs), then the search: each candidate once,
+    the fastest (if it beat the own placement's median) run until it has a.runs too. `found` collects each ring
+    system's own split for the other's search."""
 
-    def job(p: Placement, i: int) -> Job:
+    def __init__(self, system: str, peers: Peers, w: Workload, devices: tuple[Device, ...], layout: Any,
+                 model: Path, ref: dict[str, Any], build: dict[str, str], a: argparse.Namespace, meminfo: Path,
+                 logs: Path, found: dict[str, str]) -> None:
+        self.system, self.peers, self.w, self.devices, self.layout = system, peers, w, devices, layout
+        self.model, self.ref, self.build, self.a, self.meminfo = model, ref, build, a, meminfo
+        self.logs, self.found = logs, found
+        self.threads = tuple(min(w.threads, max(1, int(d.cpus or w.threads))) for d in devices)
+        self.unsupported = False
+
+    def _job(self, p: Placement, i: int) -> Job:
         tag = "own" if p.split is None and not p.extra else re.sub(r"[^a-z0-9]+", "-", p.name.lower())[:48]
-        return Job(w.name, model, "", n_layer, PROMPT, w.tokens, threads, split=p.split,
-                   logs=logs / f"{tag}-{i}", extra=dict(p.extra))
+        return Job(self.w.name, self.model, "", self.layout.n_layer, PROMPT, self.w.tokens, self.threads,
+                   split=p.split, logs=self.logs / f"{tag}-{i}", extra=dict(p.extra))
 
-    def once(p: Placement, i: int) -> dict[str, Any]:
-        r = run_once(system, peers, w, devices, job(p, i), a.workdir, meminfo, model)
-        print(f"  {system:<18} {p.name:<46} {r['status']:<11} TTFT {_s(r['ttft_s'])}  TPOT {_s(r['tpot_s'])}  "
+    def _once(self, p: Placement, i: int) -> dict[str, Any]:
+        r = run_once(self.system, self.peers, self.w, self.devices, self._job(p, i), self.a.workdir, self.meminfo,
+                     self.model)
+        print(f"  {self.system:<18} {p.name:<46} {r['status']:<11} TTFT {_s(r['ttft_s'])}  TPOT {_s(r['tpot_s'])}  "
               f"{r['split'][:60]} {r['error'][:160]}", file=sys.stderr, flush=True)
         return r
 
-    own = Placement("own")
-    own_runs = [once(own, i) for i in range(a.runs)]
-    if own_runs[0]["status"] == "unsupported":
-        own_runs = own_runs[:1]
-    rows = [median_row(system, own, own_runs, ref, build, devices)]
-    if system in ("primaplug", "prima.cpp") and (s := split_of(own_runs[0], devices)):
-        found[system] = s
-    # a system that cannot run the workload at all is not searched; distributed-llama's refusals depend on how many
-    # nodes it runs on, which its search varies
-    if a.no_search or (rows[0]["status"] == "unsupported" and system != "distributed-llama"):
-        return rows
-    layer_mib = sum(layout.layer_bytes(il) for il in range(n_layer)) / n_layer / 2**20
-    tried = [(p, once(p, 0)) for p in candidates(system, devices, n_layer, layer_mib, found)]
-    if not tried:
-        return rows
-    ok = [(p, r) for p, r in tried if r["status"] == "ok"]
-    best, first = min(ok, key=lambda pr: pr[1]["tpot_s"]) if ok else tried[0]
-    runs = [first] + ([once(best, i) for i in range(1, a.runs)] if ok else [])
-    rows.append(median_row(system, best, runs, ref, build, devices)
+    def own(self) -> dict[str, Any]:
+        own = Placement("own")
+        runs = [self._once(own, i) for i in range(self.a.runs)]
+        if runs[0]["status"] == "unsupported":
+            runs = runs[:1]
+        row = median_row(self.system, own, runs, self.ref, self.build, self.devices)
+        if self.system in ("primaplug", "prima.cpp") and (s := split_of(runs[0], self.devices)):
+            self.found[self.system] = s
+        # a system that cannot run the workload at all is not searched; distributed-llama's refusals depend on how
+        # many nodes it runs on, which its search varies
+        self.unsupported = row["status"] == "unsupported" and self.system != "distributed-llama"
+        return row
+
+    def search(self) -> list[dict[str, Any]]:
+        if self.a.no_search or self.unsupported:
+            return []
+        n_layer = self.layout.n_layer
+        layer_mib = sum(self.layout.layer_bytes(il) for il in range(n_layer)) / n_layer / 2**20
+        tried = [(p, self._once(p, 0)) for p in candidates(self.system, self.devices, n_layer, layer_mib, self.found)]
+        if not tried:
+            return []
+        ok = [(p, r) for p, r in tried if r["status"] == "ok"]
+        best, first = min(ok, key=lambda pr: pr[1]["tpot_s"]) if ok else tried[0]
+        runs = [first] + ([self._once(best, i) for i in range(1, self.a.runs)] if ok else [])
+        return [median_row(self.system, best, runs, self.ref, self.build, self.devices)
                 | {"placement": f"searched ({len(tried)} candidates): {best.name}",
-                   "candidates": {p.name: (r["tpot_s"], r["status"]) for p, r in tried}})
-    return rows
+                   "candidates": {p.name: (r["tpot_s"], r["status"]) for p, r in tried}}]
 
 
 def _s(x: float | None) -> str:
