@@ -109,7 +109,7 @@ def _head(a: argparse.Namespace) -> None:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("primaplug.llama").setLevel(logging.ERROR)
-    nodes = a.nodes.split(",")
+    nodes = [n for n in a.nodes.split(",") if n]  # none: the head runs every layer
     links = [(float(lat), float(mbit), name) for lat, mbit, name in (link.split(":") for link in a.links.split(","))]
     proxy = RemoteLinks(a.proxy)
     routes: dict[tuple[str, str], str] = {}
