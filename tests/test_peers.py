@@ -215,11 +215,12 @@ def test_what_is_committed_names_no_path_of_this_machine(tmp_path: Path) -> None
     assert peers.scrub(f"--dllama {tmp_path}/distributed-llama") == "--dllama <distributed-llama>"
 
 
+@pytest.mark.parametrize("answer", ["ring", "server"])
 def test_a_step_s_wall_time_splits_into_each_sender_s_time_and_the_links_from_the_proxy_s_traces(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ring of two parties through two traced links: `a` passes a message to `b`, which holds it 30 ms and passes it
-    back. Every message crosses at least its link's latency; the sleeps bound each party's share from below; the
-    parts add up to the wall time."""
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answer: str) -> None:
+    """Two parties through two traced links: `a` passes a message to `b`, which holds it 30 ms and passes it back
+    (over a link of its own, as a ring does, or answering on `a`'s, as a server does). Every message crosses at least
+    its link's latency; the sleeps bound each party's share from below; the parts add up to the wall time."""
     import time
 
     from benchmarks.testbed.hops import breakdown
@@ -229,11 +230,16 @@ def test_a_step_s_wall_time_splits_into_each_sender_s_time_and_the_links_from_th
     srv_a, srv_b = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
     proxy = LinkProxy()
     try:
-        to_b = proxy.route(f"tcp://127.0.0.1:{srv_b.getsockname()[1]}", 20, 1000, sender="a")
-        to_a = proxy.route(f"tcp://127.0.0.1:{srv_a.getsockname()[1]}", 20, 1000, sender="b")
+        to_b = proxy.route(f"tcp://127.0.0.1:{srv_b.getsockname()[1]}", 20, 1000,
+                           sender="a" if answer == "ring" else "a>b")
         a_out = socket.create_connection(tuple(to_b.removeprefix("tcp://").rsplit(":", 1)))  # type: ignore[arg-type]
-        b_out = socket.create_connection(tuple(to_a.removeprefix("tcp://").rsplit(":", 1)))  # type: ignore[arg-type]
-        b_in, a_in = srv_b.accept()[0], srv_a.accept()[0]
+        b_in = srv_b.accept()[0]
+        if answer == "ring":
+            to_a = proxy.route(f"tcp://127.0.0.1:{srv_a.getsockname()[1]}", 20, 1000, sender="b")
+            b_out = socket.create_connection(tuple(to_a.removeprefix("tcp://").rsplit(":", 1)))  # type: ignore[arg-type]
+            a_in = srv_a.accept()[0]
+        else:
+            b_out, a_in = b_in, a_out
         start = time.monotonic()
         for _ in range(3):
             a_out.sendall(b"x" * 100)
@@ -242,7 +248,7 @@ def test_a_step_s_wall_time_splits_into_each_sender_s_time_and_the_links_from_th
             b_out.sendall(b"y" * 100)
             assert len(a_in.recv(100, socket.MSG_WAITALL)) == 100
             end = time.monotonic()
-        for s in (a_out, b_out, a_in, b_in):
+        for s in {a_out, b_out, a_in, b_in}:
             s.close()
     finally:
         proxy.close()

@@ -205,7 +205,7 @@ def run(src: Path, rig: Rig, job: Job, on_first_token: callable, model: Path, to
     for i, wk in zip(used[1:], workers, strict=True):
         if not wait_listening(wk, port + i, 30):
             return Outcome("failed", error=f"{wk.name} did not start: {last_lines(wk.text())}")
-    addresses = [rig.link(0, f"tcp://127.0.0.1:{port + i}").removeprefix("tcp://") for i in used[1:]]
+    addresses = [rig.link(0, f"tcp://127.0.0.1:{port + i}", to=i).removeprefix("tcp://") for i in used[1:]]
     argv = [str(binary(src)), "inference", "--model", str(rig.copy(0, model)), "--tokenizer",
             str(rig.copy(0, tokenizer)), "--buffer-float-type", "q80", "--prompt", job.prompt,
             "--steps", str(prompt_tokens - 1 + job.tokens), "--nthreads", str(job.threads[0]),

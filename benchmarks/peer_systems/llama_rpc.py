@@ -98,7 +98,7 @@ def run(bin_dir: Path, rig: Rig, job: Job, on_first_token: callable) -> Outcome:
                                      "-t", str(job.threads[i]), "-c"],
                                  job.logs / f"rpc-server-{rig.devices[i].name}.log",
                                  env={"LLAMA_CACHE": str(cache)}, name=f"rpc server {rig.devices[i].name}"))
-        endpoints.append(rig.link(0, f"tcp://127.0.0.1:{port + i}").removeprefix("tcp://"))
+        endpoints.append(rig.link(0, f"tcp://127.0.0.1:{port + i}", to=i).removeprefix("tcp://"))
     for i, s in enumerate(servers, start=1):
         if not wait_listening(s, port + i, 30):
             return Outcome("failed", error=f"{s.name} did not start: {last_lines(s.text())}")

@@ -242,11 +242,13 @@ class Rig:
         out = [(p.device, p.proc.returncode, p.ended) for p in self.procs if p.proc.poll() is not None]
         return out + [(self.devices[i].name, p.returncode, None) for p, i, _ in self.others if p.poll() is not None]
 
-    def link(self, sender: int, endpoint: str, listen_port: int = 0) -> str:
-        """The endpoint device `sender` connects to for `endpoint`: through its link (latency, bandwidth)."""
+    def link(self, sender: int, endpoint: str, listen_port: int = 0, to: int | None = None) -> str:
+        """The endpoint device `sender` connects to for `endpoint`: through its link (latency, bandwidth). `to`: the
+        device that answers there (a server), named in the link's trace."""
         assert self.proxy is not None
         d = self.devices[sender]
-        return self.proxy.route(endpoint, d.link_latency_ms, d.link_mbit, listen_port, d.name)
+        label = d.name if to is None else f"{d.name}>{self.devices[to].name}"
+        return self.proxy.route(endpoint, d.link_latency_ms, d.link_mbit, listen_port, label)
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[Measure]:

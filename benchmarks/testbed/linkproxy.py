@@ -8,7 +8,8 @@ the same commands from other processes):
                                                   ->  prints "tcp://127.0.0.1:LISTEN_PORT" for the link to that
                                                       target (any free port unless LISTEN_PORT is given, 0: any), or
                                                       "error: ..." when that port cannot be had; SENDER names the
-                                                      device that sends on it, in its trace (TRACE_ENV)
+                                                      device that sends on it in its trace (TRACE_ENV), as
+                                                      "A" or "A>B" (B: the target's device, which answers)
     quit
 `LinkProxy` in this module starts and drives such a process; `RemoteLinks` drives it from another process.
 """
@@ -84,9 +85,10 @@ async def _link(target: tuple[str, int], latency_s: float, bytes_per_s: float, l
             w_in.close()
             return
         # a trace's name: who sends on it (the connecting side, then the answering one) and the target's port
+        there, _, back = sender.partition(">")
         with contextlib.suppress(asyncio.CancelledError):  # the proxy told to quit with connections open
-            await asyncio.gather(_Pipe(latency_s, bytes_per_s, f"{sender}~to{target[1]}").run(r_in, w_out),
-                                 _Pipe(latency_s, bytes_per_s, f"~from{target[1]}").run(r_out, w_in))
+            await asyncio.gather(_Pipe(latency_s, bytes_per_s, f"{there}~to{target[1]}").run(r_in, w_out),
+                                 _Pipe(latency_s, bytes_per_s, f"{back}~from{target[1]}").run(r_out, w_in))
 
     server = await asyncio.start_server(handle, "127.0.0.1", listen_port)
     return server.sockets[0].getsockname()[1]
