@@ -389,7 +389,8 @@ def median_row(system: str, placement: Placement, runs: list[dict[str, Any]], re
            "split": chosen["split"], "error": chosen["error"], "runs": len(runs), "runs_ok": len(ok),
            "tpot_runs_s": [r["tpot_s"] for r in runs], "ttft_runs_s": [r["ttft_s"] for r in runs],
            "memory": {name: {k: s[k] for k in ("peak_used_mib", "cap_mib", "pressure", "peak_start_mib", "oom_kills",
-                                               "disk_read_mib_per_token", "cpu_ms_per_token", "used_mib_at_marks")}
+                                               "disk_read_mib_per_token", "cpu_ms_per_token", "used_mib_at_marks",
+                                               "at_first_token", "processes_at_first_token")}
                       for name, s in chosen["devices"].items()},
            "max_pressure": max(s["pressure"] for s in chosen["devices"].values()),
            "oom_killed": sorted({n for r in runs for n, s in r["devices"].items() if s["oom_kills"]}),

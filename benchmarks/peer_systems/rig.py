@@ -133,6 +133,7 @@ class Measure:
     cpu_end: list[float | None] | None = None
     oom_after: list[int] = field(default_factory=list)
     first_at: float | None = None  # time.monotonic() of the first generated token
+    first_processes: dict[str, dict[str, Any]] = field(default_factory=dict)  # each device's processes' memory then
 
     def summary(self, tokens: int, ttft_s: float | None = None, tpot_s: float | None = None) -> dict[str, Any]:
         """Per device. `pressure` is the paper's (Δ available memory over total memory, page cache aside) while the
@@ -161,7 +162,12 @@ class Measure:
                                                 1),
                          "disk_read_mib_per_token": per_token,
                          "cpu_ms_per_token": cpu,
-                         "used_mib_at_marks": {r["mark"]: r["used"] for r in rows}}
+                         "used_mib_at_marks": {r["mark"]: r["used"] for r in rows},
+                         # what the usage is made of at the first token: the processes' anonymous memory (by
+                         # process and mapping) and the kernel's
+                         "at_first_token": {k: r[k] for r in rows if r["mark"] == "first token"
+                                            for k in ("used", "anon", "kernel", "shmem")},
+                         "processes_at_first_token": self.first_processes.get(name, {})}
         return out
 
 
@@ -271,6 +277,7 @@ class Rig:
         m.cpu_first = [g.cpu_seconds() for g in self.groups]
         m.first_at = time.monotonic()
         m.watch.mark("first token")
+        m.first_processes = m.watch.processes()
 
 
 def listening(port: int) -> bool:
