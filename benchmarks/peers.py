@@ -19,8 +19,10 @@ Workloads (the median of --runs runs each):
       ratios, then 8 where the system allows
   W4  a mixture of experts larger than the pooled memory (qwen3moe, 64 experts, 8 a token)
 Each system gets two rows: its own placement, and the best a small search finds (each candidate run once, the
-fastest run again). Writes benchmarks/results/peers.json (--quick: peers_quick.json), peers.png, and every run's
-logs under benchmarks/results/peers/.
+fastest run again; every system's own placement runs before any search, so each ring system tries the other's
+split). Each row has every device's memory, disk reads and CPU a token, and where a step's time went (`hops`: each
+device and link, from the link proxy's traces, testbed/hops.py). Writes benchmarks/results/peers.json (--quick:
+peers_quick.json), peers.png, and every run's logs under benchmarks/results/peers/.
 """
 
 from __future__ import annotations
