@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import platform
 import re
 import shutil
@@ -53,7 +52,6 @@ from benchmarks.testbed.cgroups import CgroupUnavailableError  # noqa: E402
 from benchmarks.testbed.cluster import Terminated, unwind_on_sigterm  # noqa: E402
 from benchmarks.testbed.devices import PAPER_D1_D4, Device, scaled  # noqa: E402
 from benchmarks.testbed.hops import breakdown  # noqa: E402
-from benchmarks.testbed.linkproxy import TRACE_ENV  # noqa: E402
 from benchmarks.testbed.view import Lxcfs  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -239,10 +237,9 @@ def run_once(system: str, peers: Peers, w: Workload, devices: tuple[Device, ...]
              meminfo: Path, model: Path) -> dict[str, Any]:
     """One run of one system: fresh cgroups, cold page cache, every device sampled; its figures and evidence."""
     job.logs.mkdir(parents=True, exist_ok=True)
-    (job.logs / "links").mkdir(exist_ok=True)
-    os.environ[TRACE_ENV] = str(job.logs / "links")  # the link proxy's record of every chunk (hops.py)
+    (job.logs / "links").mkdir(exist_ok=True)  # the link proxy's record of every chunk (hops.py)
     t0 = time.monotonic()
-    with Rig(devices, work, meminfo) as rig, rig.measure() as m:
+    with Rig(devices, work, meminfo, trace_dir=job.logs / "links") as rig, rig.measure() as m:
         def first() -> None:
             rig.first_token(m)
 

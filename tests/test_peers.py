@@ -217,18 +217,16 @@ def test_what_is_committed_names_no_path_of_this_machine(tmp_path: Path) -> None
 
 @pytest.mark.parametrize("answer", ["ring", "server"])
 def test_a_step_s_wall_time_splits_into_each_sender_s_time_and_the_links_from_the_proxy_s_traces(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answer: str) -> None:
+        tmp_path: Path, answer: str) -> None:
     """Two parties through two traced links: `a` passes a message to `b`, which holds it 30 ms and passes it back
     (over a link of its own, as a ring does, or answering on `a`'s, as a server does). Every message crosses at least
     its link's latency; the sleeps bound each party's share from below; the parts add up to the wall time."""
     import time
 
     from benchmarks.testbed.hops import breakdown
-    from benchmarks.testbed.linkproxy import TRACE_ENV
 
-    monkeypatch.setenv(TRACE_ENV, str(tmp_path))
     srv_a, srv_b = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
-    proxy = LinkProxy()
+    proxy = LinkProxy(trace_dir=tmp_path)
     try:
         to_b = proxy.route(f"tcp://127.0.0.1:{srv_b.getsockname()[1]}", 20, 1000,
                            sender="a" if answer == "ring" else "a>b")

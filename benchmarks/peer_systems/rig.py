@@ -143,8 +143,8 @@ class Measure:
         token to the last (its time from the TPOT, its CPU between the watch's samples around it): the processes'
         exit stays out."""
         running = self.watch.peak_since(self.first_at - (ttft_s or 0.0) - 0.25) if self.first_at else None
-        if self.first_at is not None and tpot_s is not None and tokens > 1:
-            self.cpu_end = self.watch.cpu_at(self.first_at + (tokens - 1) * tpot_s)
+        cpu_last = (self.watch.cpu_at(self.first_at + (tokens - 1) * tpot_s)
+                    if self.first_at is not None and tpot_s is not None and tokens > 1 else self.cpu_end)
         out = {}
         for i, name in enumerate(self.names):
             peak = running[i] if running else self.watch.peak_used[i]
@@ -152,8 +152,8 @@ class Measure:
             decoded = max(1, tokens - 1)
             per_token = (None if self.read_first is None or self.read_end is None
                          else round((self.read_end[i] - self.read_first[i]) / decoded / MiB, 2))
-            cpu = (None if self.cpu_first is None or self.cpu_end is None or self.cpu_first[i] is None
-                   or self.cpu_end[i] is None else round(1000 * (self.cpu_end[i] - self.cpu_first[i]) / decoded, 2))
+            cpu = (None if self.cpu_first is None or cpu_last is None or self.cpu_first[i] is None
+                   or cpu_last[i] is None else round(1000 * (cpu_last[i] - self.cpu_first[i]) / decoded, 2))
             out[name] = {"peak_used_mib": round(peak / MiB, 1), "cap_mib": round(self.caps[i] / MiB, 1),
                          "pressure": round(peak / self.caps[i], 4),
                          "peak_start_mib": round(self.watch.peak_used[i] / MiB, 1),
@@ -173,11 +173,14 @@ class Measure:
 
 class Rig:
     """The emulated devices for one run: `with Rig(devices, work, meminfo) as rig:` makes the cgroups (after
-    removing what an interrupted run left), drops the page cache and starts the link proxy; on exit every process
-    started with `spawn` is stopped and the cgroups removed. Device 0 is where each system's head runs."""
+    removing what an interrupted run left), drops the page cache and starts the link proxy (recording every message
+    in `trace_dir`, if given); on exit every process started with `spawn` is stopped and the cgroups removed. Device
+    0 is where each system's head runs."""
 
-    def __init__(self, devices: Sequence[Device], work: Path, meminfo: Path, *, drop_caches: bool = True) -> None:
+    def __init__(self, devices: Sequence[Device], work: Path, meminfo: Path, *, drop_caches: bool = True,
+                 trace_dir: Path | None = None) -> None:
         self.devices, self.work, self.meminfo, self.drop = list(devices), work, meminfo, drop_caches
+        self.trace_dir = trace_dir
         self.groups: list[cgroups.Cgroup] = []
         self.proxy: LinkProxy | None = None
         self.procs: list[Proc] = []
@@ -193,7 +196,7 @@ class Rig:
                 self.groups.append(cgroups.Cgroup(d.name, caps, disk).create())
             if self.drop:
                 cgroups.drop_caches()
-            self.proxy = LinkProxy()
+            self.proxy = LinkProxy(self.trace_dir)
         except BaseException:
             self.close()
             raise

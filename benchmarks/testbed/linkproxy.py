@@ -125,11 +125,13 @@ async def _serve() -> None:
 
 
 class LinkProxy:
-    """A proxy process; `route(endpoint, latency_ms, mbit)` returns the endpoint to connect to instead."""
+    """A proxy process; `route(endpoint, latency_ms, mbit)` returns the endpoint to connect to instead. With
+    `trace_dir`, its links record every chunk there (TRACE_ENV)."""
 
-    def __init__(self) -> None:
+    def __init__(self, trace_dir: str | os.PathLike[str] | None = None) -> None:
+        env = os.environ | {TRACE_ENV: os.fspath(trace_dir)} if trace_dir is not None else None
         self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.testbed.linkproxy"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, text=True, env=env)
         assert self.proc.stdout is not None
         # where another process asks for links (RemoteLinks)
         self.control = self.proc.stdout.readline().strip().removeprefix("control ")

@@ -104,8 +104,9 @@ class MemoryWatch:
         now = [_sample_or_gone(d) for d in self.dirs]
         for i, s in enumerate(now):
             self.peak_used[i] = max(self.peak_used[i], s["usage"] - s["file"])
-        self.series.append((time.monotonic(), [s["usage"] - s["file"] for s in now]))
-        self.cpu_series.append((time.monotonic(), [g.cpu_seconds() for g in self.groups]))
+        t = time.monotonic()
+        self.series.append((t, [s["usage"] - s["file"] for s in now]))
+        self.cpu_series.append((t, [g.cpu_seconds() for g in self.groups]))
         return now
 
     def cpu_at(self, t: float) -> list[float | None]:

@@ -210,14 +210,15 @@ class SparseCopy:
     def _read(self, index: int) -> bytes:
         offset = self.manifest.offsets[index]
         data = os.pread(self.fd, self.manifest.lengths[index], offset)
-        tensors = self.forms.get(self.pieces()[index].unit) if self.forms else None
+        unit = self.pieces()[index].unit if self.forms else ""
+        tensors = self.forms.get(unit)
         if not tensors:  # held as the file has it (a piece is one unit's)
             return data
         from primaplug.engine.unrepack import layout_for, undo_range
 
         raw: bytearray | None = None
         end = offset + len(data)
-        for span in unit_tensors(self.layout(), self.pieces()[index].unit):
+        for span in unit_tensors(self.layout(), unit):
             if span.name not in tensors or span.end <= offset or span.offset >= end:
                 continue
             lay = layout_for(span)
@@ -231,7 +232,6 @@ class SparseCopy:
 
     def _pread(self, offset: int, n: int) -> bytes:
         return os.pread(self.fd, n, offset)
-
 
     def save(self) -> None:
         """Write the record of what it holds (after the pieces' bytes are on the disk, so that a crash never
