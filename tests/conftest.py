@@ -28,6 +28,7 @@ SYNTHETIC = [
     ("granite", 7, "Q8_0"),
     ("gemma2", 7, "Q8_0"),  # soft-capped attention and logits, sliding window on alternate layers, tied lm_head
     ("gemma4", 7, "Q4_K_M"),  # global layers with wider heads and keys as values; a dense MLP beside routed experts
+    ("gemma4-e2b", 7, "Q4_K_M"),  # dense, a per-layer input to every layer, the last layer reading layer 4's KV
     ("olmo2", 7, "Q8_0"),  # norms after attention and FFN only
     ("phi3", 7, "Q8_0"),  # fused QKV and gate-up projections
     ("lfm2", 7, "Q8_0"),  # short convolutions (recurrent state) with attention every third layer, tied lm_head
@@ -66,7 +67,8 @@ COMPUTE_BOUND = {
 # Architectures whose every split runs in the slow rung: `make test` runs each one's split with the output layer on the
 # head (test_windows_match_llama: a window from layer 0, one past it and the output-only window, which is all the
 # window code a graph has), its streamed windows (test_exact_windows) and one device's windows on one context.
-SPLITS_IN_SLOW_RUNG = {"gpt-oss", "glm4moe", "gemma2", "olmo2", "phi3", "qwen35moe", "gemma4", "llama4", "lfm2",
+SPLITS_IN_SLOW_RUNG = {"gpt-oss", "glm4moe", "gemma2", "olmo2", "phi3", "qwen35moe", "gemma4", "gemma4-e2b", "llama4",
+                       "lfm2",
                        "deepseek2", "deepseek2-lite", "lfm2moe", "qwen3next", "minimax-m2",
                        "kimi-linear", "deepseek32", "glm-dsa"}
 FAST_SPLIT = "output-on-head"

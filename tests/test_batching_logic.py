@@ -33,6 +33,7 @@ class FakeRing:
 
     def __init__(self, rounds: int = 1) -> None:
         self.epoch, self.rounds, self.timeout_s = 1, rounds, 1.0
+        self.n_embd = N_EMBD
         self.nodes: list[Any] = []
         self.local = None
         self.has_nodes = True
@@ -46,6 +47,9 @@ class FakeRing:
         return Activation(proto=PROTOCOL_VERSION, epoch=1, step=step, round=0, parts=tuple(parts), width=1,
                           dtype="int32")
 
+    def enter(self, msg: Activation, rows: np.ndarray) -> tuple[Activation, np.ndarray]:
+        return msg, rows  # token ids go round as they are (a model without per-layer inputs)
+
     def kv_op(self, step: int, seq_id: int, p0: int = 0, p1: int = -1) -> KvOp:
         return KvOp(proto=PROTOCOL_VERSION, epoch=1, step=step, op="remove", seq_id=seq_id, p0=p0, p1=p1)
 
@@ -55,7 +59,7 @@ class FakeRing:
             h = np.zeros((len(rows), N_EMBD), np.float32)
             h[:, 0] = rows[:, 0]  # the token (round 0), or what the previous round left there
             h[:, 1], h[:, 2], h[:, 3] = msg.positions(), msg.seq_ids(), msg.round
-            out = window_output(msg, h, last_layer=msg.round == self.rounds - 1)
+            out = window_output(msg, h, last_layer=msg.round == self.rounds - 1, n_embd=N_EMBD)
             self.back.put(out if msg.round == self.rounds - 1 else
                           (Activation(proto=1, epoch=1, step=msg.step, round=msg.round, parts=msg.parts,
                                       width=N_EMBD, dtype="float32"), h))

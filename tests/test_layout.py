@@ -70,29 +70,43 @@ def test_hybrid_and_gemma4_layouts(model_dir) -> None:
     assert [bool(llama4.expert_slices(il)) for il in range(7)] == [il % 2 == 1 for il in range(7)]
 
 
-def test_gemma4_with_per_layer_embeddings_is_refused_saying_why(tmp_path) -> None:
-    """Gemma 4 E2B/E4B compute every layer's token embeddings at layer 0: refused before anything loads, naming the
-    models that do run."""
+def test_gemma4_per_layer_inputs_and_shared_kv_shape_rows_and_windows(tmp_path) -> None:
+    """Gemma 4 E2B/E4B: a row entering layer il carries n_embd values, then the per-layer inputs of the layers from
+    il on; a layer with shared KV reads the last layer of its kind before the shared ones, which its window must
+    hold; the head, not the node holding layer 0, reads the per-layer embeddings."""
     import numpy as np
     import pytest
     from gguf import GGUFWriter
 
-    from primaplug.core import UnsupportedArchitectureError
+    from primaplug.core import LayerRange, WindowRangeError
+    from primaplug.engine.layout import INPUT, unit_tensors, units_for
 
     path = tmp_path / "gemma4-e2b-like.gguf"
     w = GGUFWriter(str(path), "gemma4")
-    for key, value in (("block_count", 2), ("embedding_length", 8), ("attention.head_count", 1),
-                       ("embedding_length_per_layer_input", 4)):
+    for key, value in (("block_count", 6), ("embedding_length", 8), ("attention.head_count", 1),
+                       ("embedding_length_per_layer_input", 4), ("attention.shared_kv_layers", 2),
+                       ("attention.sliding_window", 32)):
         w.add_uint32(f"gemma4.{key}", value)
+    w.add_array("gemma4.attention.sliding_window_pattern", [True, True, True, False, True, False])
     w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.add_tensor("per_layer_token_embd.weight", np.zeros((4, 24), dtype=np.float32))
+    w.add_tensor("per_layer_model_proj.weight", np.zeros((24, 8), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     layout = read_layout(path)
-    assert not layout.supports_windows
-    with pytest.raises(UnsupportedArchitectureError, match="per-layer token embeddings.*26B-A4B or 31B"):
-        layout.check_supported()
+    assert layout.supports_windows and layout.input_window
+    assert [layout.row_width(il) for il in (0, 2, 6)] == [8 + 24, 8 + 16, 8]
+    assert [layout.kv_source(il) for il in range(6)] == [None] * 4 + [2, 3]  # sliding reads 2, global 3
+    assert layout.kv_bytes_per_token(4) == layout.kv_bytes_per_token(5) == 0 < layout.kv_bytes_per_token(3)
+    layout.check_kv_sharing([LayerRange(0, 2), LayerRange(2, 6)])
+    with pytest.raises(WindowRangeError, match="layer 4, which reads the keys and values of layer 2.*before layer 3"):
+        layout.check_kv_sharing([LayerRange(0, 3), LayerRange(3, 6)])
+    assert INPUT not in units_for(layout, [0, 1], [], output=False)  # its rows come from the head
+    assert INPUT in units_for(layout, [4, 5], [], output=True)
+    assert {t.name for t in unit_tensors(layout, INPUT)} == {"token_embd.weight", "per_layer_token_embd.weight",
+                                                             "per_layer_model_proj.weight"}
 
 
 def test_latent_attention_caches_keys_only_and_routes_within_groups(model_dir) -> None:

@@ -33,7 +33,9 @@ MAX_TOKENS = 10
 MOE = {"qwen3moe": "Q4_K_M", "gpt-oss": "MXFP4_MOE", "qwen35moe": "Q4_K_M", "deepseek2": "Q4_K_M",
        "lfm2moe": "Q4_K_M", "qwen3next": "Q4_K_M", "minimax-m2": "Q4_K_M",
        "kimi-linear": "Q4_K_M", "deepseek32": "Q4_K_M",
-       "glm-dsa": "Q4_K_M"}
+       "glm-dsa": "Q4_K_M", "gemma4-e2b": "Q4_K_M"}  # the last dense: each request's rows with its per-layer inputs
+# the layers per node, then the head's (3, 3, 1 but where a model's shared-KV tail must be the last window's)
+IN_FLIGHT_LAYERS = {"gemma4-e2b": [2, 2, 3]}
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +118,9 @@ def test_requests_in_flight_get_the_tokens_they_get_alone(gemma_path: Path, node
 @pytest.mark.parametrize("arch", MOE)
 def test_mixture_of_experts_requests_in_flight_get_what_they_get_alone(moe_paths: dict[str, Path], nodes: Any,
                                                                         arch: str) -> None:
-    """Mixtures of experts, three requests at once over two nodes: each routes its own tokens to its own experts,
-    and gets the tokens plain llama-cpp-python gives it alone. One trip in the ring at a time, so that their steps
+    """Mixtures of experts (and Gemma 4 E2B, whose rows carry per-layer inputs), three requests at once over two
+    nodes: each routes its own tokens to its own experts (each row its own per-layer inputs), and gets the tokens
+    plain llama-cpp-python gives it alone. One trip in the ring at a time, so that their steps
     travel together whatever the timing: with a trip per device, three requests on three devices could each have
     its own trip (the suite once saw 32 trips of one step each)."""
     import llama_cpp
@@ -136,7 +139,8 @@ def test_mixture_of_experts_requests_in_flight_get_what_they_get_alone(moe_paths
             alone[tuple(p)] = plain.create_completion(p, max_tokens=MAX_TOKENS, temperature=0.0)["choices"][0]["text"]
     finally:
         plain.close()
-    llm = primaplug.Llama(moe_path, nodes=nodes.addresses, node_threads=1, layers=[3, 3, 1], n_parallel=3,
+    llm = primaplug.Llama(moe_path, nodes=nodes.addresses, node_threads=1,
+                          layers=IN_FLIGHT_LAYERS.get(arch, [3, 3, 1]), n_parallel=3,
                           ring_trips=1, **KWARGS)
     try:
         start = threading.Barrier(len(prompts))

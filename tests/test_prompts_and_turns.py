@@ -34,7 +34,8 @@ TEXT = ("The quick brown fox jumps over the lazy dog while seven wizards hex a p
 
 # synthetic models beside Gemma: dense, and mixtures of experts (gpt-oss with a sliding window of 32 that the
 # continued prompts outgrow, so rewinds meet its window)
-SYNTHETIC = ("qwen3", "qwen3moe", "gpt-oss", "glm4moe", "qwen35", "gemma4", "lfm2", "deepseek2", "lfm2moe")
+SYNTHETIC = ("qwen3", "qwen3moe", "gpt-oss", "glm4moe", "qwen35", "gemma4", "gemma4-e2b", "lfm2", "deepseek2",
+             "lfm2moe")
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,8 @@ def models(model_dir: Path, gemma_path: Path) -> dict[str, Path]:
             # recurrent layers: a prompt that diverges is evaluated anew, as plain llama-cpp-python does
             "qwen35": synthetic_path(model_dir, "qwen35", 7, "Q8_0"),
             "gemma4": synthetic_path(model_dir, "gemma4", 7, "Q4_K_M"),
+            # per-layer inputs from the head's input window; the even split leaves the shared-KV tail to the head
+            "gemma4-e2b": synthetic_path(model_dir, "gemma4-e2b", 7, "Q4_K_M"),
             "lfm2": synthetic_path(model_dir, "lfm2", 7, "Q8_0"),
             "deepseek2": synthetic_path(model_dir, "deepseek2", 7, "Q4_K_M"),
             "lfm2moe": synthetic_path(model_dir, "lfm2moe", 7, "Q4_K_M")}

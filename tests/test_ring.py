@@ -33,6 +33,7 @@ def models(model_dir: Path, gemma_path: Path) -> dict[str, Path]:
             "qwen35_7": synthetic_path(model_dir, "qwen35", 7, "Q8_0"),
             "qwen35moe_7": synthetic_path(model_dir, "qwen35moe", 7, "Q4_K_M"),
             "gemma4_7": synthetic_path(model_dir, "gemma4", 7, "Q4_K_M"),
+            "gemma4_e2b_7": synthetic_path(model_dir, "gemma4-e2b", 7, "Q4_K_M"),
             "llama4_7": synthetic_path(model_dir, "llama4", 7, "Q4_K_M"),
             "lfm2_7": synthetic_path(model_dir, "lfm2", 7, "Q8_0"),
             "deepseek2_7": synthetic_path(model_dir, "deepseek2", 7, "Q4_K_M"),
@@ -88,6 +89,9 @@ CASES = [  # model, layers per round (node, node, node[, head]) or None for an e
     ("qwen35_7", (3, 1, 2, 1), 1),  # recurrent layers, one on the head
     ("qwen35moe_7", (2, 3, 1, 1), 1),
     ("gemma4_7", (2, 2, 2, 1), 1),  # the head holding a global layer
+    # per-layer inputs: the head's input window computes them, each node takes its own and passes the rest on, and
+    # the head holds the layers that share keys and values
+    ("gemma4_e2b_7", (2, 1, 1, 3), 1),
     ("llama4_7", (1, 2, 3, 1), 1),
     ("lfm2_7", (2, 1, 3, 1), 1),  # a node holding one attention layer alone
     ("deepseek2_7", (1, 2, 3, 1), 1),  # latent attention: the dense first layer alone, a MoE layer on the head

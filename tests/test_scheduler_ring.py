@@ -193,3 +193,21 @@ def test_a_plan_for_a_mixture_of_experts_says_how_it_priced_a_layer(latency_mode
     assert plan.experts.token_bytes == round(moe.layer_bytes - moe.layer_expert_bytes * 7 / 8)
     assert "a token uses 12.5% of those" in plan_summary(plan).plain
     assert solve(devices, model(12), latency_model=latency_model).experts is None
+
+
+@pytest.mark.parametrize("latency_model", ["ring", "paper"])
+def test_the_shared_kv_tail_is_the_heads_last_window(latency_model: str) -> None:
+    """Gemma 4 E2B/E4B: the last layers that share keys and values run in one window, the head's last, under both
+    latency models, even where the head is the slowest device and would otherwise hold no layer; a split by hand
+    that cuts them is refused saying so. Its per-layer inputs make each hop dearer by half of them on average."""
+    from primaplug.scheduler import placement
+
+    devices = [device("head", ram_gb=2, flops=3e10), device("a", ram_gb=8), device("b", ram_gb=8)]
+    m = model(35, layer_gb=0.05, tail_layers=22, per_layer_input_bytes=4 * 256 * 35)
+    assert m.hidden_bytes == 4 * 1024 + 2 * 256 * 35
+    plan = solve(devices, m, latency_model=latency_model)
+    assert plan.head.w >= 22 and plan.head.windows[-1].end == 35
+    assert solve(devices, model(35, layer_gb=0.05), latency_model=latency_model).head.w < 22  # no tail: fewer
+    with pytest.raises(ValueError, match="last 22 layers share keys and values"):
+        placement(devices, m, [10, 10, 15])
+    assert placement(devices, m, [7, 6, 22]).head.w == 22

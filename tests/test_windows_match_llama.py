@@ -7,32 +7,36 @@ n_batch, then 32 greedy steps: the same tokens, and every logit row within 1e-3 
 
 from __future__ import annotations
 
+import itertools
 from functools import cache
 
 import llama_cpp
 import numpy as np
 import pytest
 
-from primaplug.core import LayerRange, even_split, execution_order, ring_windows
+from primaplug.core import LayerRange, even_split
 from primaplug.engine import ContextSettings, Model, WindowChain, read_layout
 
 N_STEPS = 32
 SETTINGS = ContextSettings(n_ctx=256, n_batch=64, n_ubatch=32)
 
 
-def partitions(n_layer: int) -> dict[str, tuple[list[LayerRange], bool]]:
-    def chain(sizes: list[int]) -> list[LayerRange]:
-        return execution_order(ring_windows(sizes, 1, n_layer))
+def partitions(n_layer: int, tail: int = 0) -> dict[str, tuple[list[LayerRange], bool]]:
+    """The partitions of n_layer layers; with a shared-KV tail (ModelLayout.kv_tail), a boundary inside it moves to
+    its first layer, so that those layers share the last window (Gemma 4 E2B/E4B: 7 layers, 3 of them in the tail,
+    make at most 5 windows)."""
+    def cut(sizes: list[int]) -> list[LayerRange]:
+        ends = sorted({min(e, n_layer - tail) if e < n_layer else e for e in itertools.accumulate(sizes)} - {0})
+        return [LayerRange(a, b) for a, b in zip([0, *ends], ends, strict=False)]
 
-    six = even_split(n_layer, 6)
-    two_rounds = [LayerRange(sum(six[:i]), sum(six[: i + 1])) for i in range(6)]  # device d: windows d and d+3
+    six = even_split(n_layer, 6)  # device d: windows d and d+3
     uneven = [1, n_layer - 4, 3]
     return {
-        "one-window": (chain([n_layer]), False),
-        "two-windows": (chain(even_split(n_layer, 2)), False),
-        "three-uneven": (chain(uneven), False),
-        "two-rounds-of-three": (two_rounds, False),
-        "output-on-head": (chain(uneven), True),
+        "one-window": (cut([n_layer]), False),
+        "two-windows": (cut(even_split(n_layer, 2)), False),
+        "three-uneven": (cut(uneven), False),
+        "two-rounds-of-three": (cut(six), False),
+        "output-on-head": (cut(uneven), True),
     }
 
 
@@ -68,8 +72,8 @@ def assert_rows_close(expected: np.ndarray, got: np.ndarray, what: str) -> None:
                          ["one-window", "two-windows", "three-uneven", "two-rounds-of-three", "output-on-head"])
 def test_split_model_matches_whole_model(test_model, partition: str) -> None:
     path = str(test_model.path)
-    n_layer = read_layout(path).n_layer
-    windows, head_output = partitions(n_layer)[partition]
+    layout = read_layout(path)
+    windows, head_output = partitions(layout.n_layer, layout.kv_tail)[partition]
     want_tokens, want_rows = reference(path, test_model.prompt)
 
     with Model(path, windows) as model:
@@ -86,3 +90,35 @@ def test_split_model_matches_whole_model(test_model, partition: str) -> None:
             pos += 1
             assert_rows_close(want_rows[len(prompt) + step], last, f"{test_model.name} {partition} step {step}")
         assert tokens == want_tokens
+
+
+def test_gemma4_shared_kv_of_both_kinds_and_a_split_inside_it(model_dir) -> None:
+    """Gemma 4 E2B/E4B: three last layers read earlier layers' keys and values, two a sliding layer's and one a global
+    layer's. Windows that keep them with those layers give plain's logits; a split between them is refused before
+    anything loads, saying where to split instead."""
+    import primaplug
+    from primaplug.core import WindowRangeError
+    from primaplug.engine.synthetic import quantize, synthetic_spec, write_synthetic_gguf
+
+    path = model_dir / "gemma4-e2b-9L-shared3-Q8_0.gguf"
+    if not path.exists():
+        f32 = model_dir / "gemma4-e2b-9L-shared3-F32.gguf"
+        write_synthetic_gguf(f32, synthetic_spec("gemma4-e2b", n_layer=9, seed=9, n_kv_shared=3))
+        quantize(f32, path, "Q8_0")
+        f32.unlink()
+    layout = read_layout(path)
+    assert [layout.kv_source(il) for il in range(6, 9)] == [4, 4, 5] and not layout.swa_layers[5]
+    prompt = tuple(int(t) for t in np.random.default_rng(9).integers(3, 512, size=100))
+    want_tokens, want_rows = reference(str(path), prompt)
+    windows = [LayerRange(0, 2), LayerRange(2, 4), LayerRange(4, 9)]
+    with Model(path, windows) as model:
+        chain = WindowChain(model, windows, settings=SETTINGS, head_output=True)
+        rows = chain.forward(list(prompt), 0, logits="all")
+        assert_rows_close(np.stack(want_rows[: len(prompt)]), rows, "gemma4-e2b shared KV prompt")
+        tokens, last = [], rows[-1]
+        for step in range(8):
+            tokens.append(int(np.argmax(last)))
+            last = chain.forward([tokens[-1]], len(prompt) + step)[0]
+        assert tokens == want_tokens[:8]
+    with pytest.raises(WindowRangeError, match=r"layer 6, which reads the keys and values of layer 4.*before layer 5"):
+        primaplug.Llama(path, layers=[5, 4], n_ctx=256, verbose=False)

@@ -112,6 +112,8 @@ def test_ring_messages_round_trip_without_copying_rows() -> None:
     assert isinstance(frames[1], memoryview)
     msg, got = decode_ring([bytes(f) for f in frames])
     assert msg == ACT and np.array_equal(got, rows)
+    with_inputs = ACT.__class__(**{**_fields(ACT), "per_layer": 3})  # Gemma 4 E2B: 1 hidden value, 3 per-layer
+    assert decode_ring(encode_ring(with_inputs, rows))[0].per_layer == 3
     for m in (KvOp(proto=PROTOCOL_VERSION, epoch=7, step=4, op="remove", seq_id=0, p0=5),
               RingError(proto=PROTOCOL_VERSION, epoch=7, step=4, node="b", code="bad_message", message="x")):
         assert decode_ring(encode_ring(m)) == (m, None)
@@ -130,6 +132,10 @@ def test_ring_messages_round_trip_without_copying_rows() -> None:
     (lambda: encode_ring(ACT.__class__(**{**_fields(ACT), "parts": ()}), np.zeros((0, 4), np.float32)), "bad shape"),
     (lambda: encode_ring(ACT.__class__(**{**_fields(ACT), "parts": (Part(1, 0, 1), Part(1, 1, 1))}),
                          np.zeros((2, 4), np.float32)), "a sequence in two parts"),
+    (lambda: encode_ring(ACT.__class__(**{**_fields(ACT), "per_layer": 4}), np.zeros((2, 4), np.float32)),
+     "4 per-layer values in rows of width 4"),
+    (lambda: encode_ring(ACT.__class__(**{**_fields(ACT), "per_layer": -1}), np.zeros((2, 4), np.float32)),
+     "per-layer values"),
 ])
 def test_malformed_ring_messages_are_refused(frames, match) -> None:
     with pytest.raises(ProtocolError, match=match):

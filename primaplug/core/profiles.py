@@ -126,11 +126,17 @@ class ModelProfile(msgspec.Struct, frozen=True, kw_only=True):
     # recurrent layers (gated delta-net, short convolutions): the state a layer keeps, on average over the layers,
     # for one sequence; planning multiplies it by the sequences and the snapshots a draft needs (n_rs_seq)
     state_bytes_layer: int = 0
+    # Gemma 4 E2B/E4B: every layer's per-layer input for one token (float32), which the head computes and which
+    # travels with the hidden state, each hop carrying those of the layers after its window (ModelLayout.row_width)
+    per_layer_input_bytes: int = 0
+    # the last layers that must share one window, the head's last (Gemma 4's shared KV and the layers it reads)
+    tail_layers: int = 0
 
     @property
     def hidden_bytes(self) -> int:
-        """One hidden state on the wire (float32 row)."""
-        return 4 * self.n_embd
+        """One hidden state on the wire (float32 row); with per-layer inputs, a hop's mean: each carries those of
+        the layers after its window, from all of them (the head's first hop) to none (the last), half on average."""
+        return 4 * self.n_embd + self.per_layer_input_bytes // 2
 
     @property
     def experts(self) -> ExpertBytes | None:

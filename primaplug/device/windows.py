@@ -222,7 +222,7 @@ class DeviceWindows:
         with self.awake():
             for i, w in enumerate(self.windows):
                 if w is not None:
-                    self.compute(i, [0] if w.takes_tokens else np.zeros((1, w.n_embd), np.float32), 0)
+                    self.compute(i, [0] if w.takes_tokens else np.zeros((1, w.in_width), np.float32), 0)
                     self.done(i)
         self.kv_clear()
 

@@ -37,7 +37,9 @@ class WindowChain:
         n_layer = model.layout.n_layer
         check_cover(windows, n_layer)
         self.model = model
-        self.windows: list[Window] = [
+        # on a model with per-layer inputs, tokens enter through the input window [0, 0) (engine/model.py)
+        entry = [model.window(0, 0, output_hidden=True, settings=settings)] if model.layout.input_window else []
+        self.windows: list[Window] = entry + [
             model.window(w.start, w.end, output_hidden=w.end < n_layer or head_output, settings=settings)
             for w in windows
         ]

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from primaplug.core.errors import ModelFormatError, UnsupportedArchitectureError
+from primaplug.core.errors import ModelFormatError, UnsupportedArchitectureError, WindowRangeError
 from primaplug.core.windows import LayerRange
 
 # Architectures whose graphs the patch (patches/0001) can split into windows; must match
@@ -125,6 +125,50 @@ class ModelLayout:
     expert_gating: str = "softmax"
     expert_groups: int = 0
     expert_groups_used: int = 0
+    # Gemma 4 E2B/E4B: a vector of this width for every layer, computed from the tokens before layer 0, which a
+    # hidden-state row carries for the layers still ahead of it (row_width); 0: none
+    n_embd_per_layer: int = 0
+    # layers from this one on hold no keys and values of their own: each reads those of the last layer of its kind
+    # (sliding or global) before it (Gemma 4's shared KV, kv_source); n_layer: none share
+    n_layer_kv_from_start: int = 0
+
+    def row_width(self, layer: int) -> int:
+        """The floats of a hidden-state row entering `layer` (n_layer: the output layer's): n_embd, then the
+        per-layer inputs of the layers from `layer` on (llama.cpp's llama_window_row_width)."""
+        return self.n_embd + self.n_embd_per_layer * max(0, self.n_layer - layer)
+
+    @property
+    def input_window(self) -> bool:
+        """Whether tokens enter through the input window [0, 0), which gives the rows entering layer 0: on a model
+        with per-layer inputs, which the head computes once and every later window reads from its rows."""
+        return self.n_embd_per_layer > 0
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose keys and values `layer` reads, when they are not its own (llama.cpp's reuse for Gemma 4:
+        the last sliding or global layer before n_layer_kv_from_start), else None."""
+        if layer < self.n_layer_kv_from_start or self.n_layer_kv_from_start >= self.n_layer:
+            return None
+        return self.n_layer_kv_from_start - (2 if self.swa_layers[layer] else 1)
+
+    @property
+    def kv_tail(self) -> int:
+        """How many last layers must share one window: those with shared KV and the layers they read; 0: none."""
+        if self.n_layer_kv_from_start >= self.n_layer or not self.n_layer_kv_from_start:
+            return 0
+        return self.n_layer - (self.n_layer_kv_from_start - 2)
+
+    def check_kv_sharing(self, windows: Iterable[LayerRange]) -> None:
+        """Raise WindowRangeError unless every layer that reads another layer's keys and values shares a window
+        with it: a window's cache holds its own layers only (a sliding-window model's windows keep a context each)."""
+        for w in windows:
+            for il in range(w.start, w.end):
+                src = self.kv_source(il)
+                if src is not None and src < w.start:
+                    first = self.n_layer_kv_from_start - 2
+                    raise WindowRangeError(
+                        f"window {w} holds layer {il}, which reads the keys and values of layer {src}: layers "
+                        f"{first}-{self.n_layer - 1} of this {self.arch} share keys and values and must be in one "
+                        f"window; split the model before layer {first + 1}")
 
     @property
     def n_layer_all(self) -> int:
@@ -167,9 +211,10 @@ class ModelLayout:
 
     @property
     def input_tensors(self) -> tuple[TensorSpan, ...]:
-        """What the head reads to embed tokens."""
-        t = self.tensor("token_embd.weight")
-        return (t,) if t else ()
+        """What the head reads to embed tokens: the token embedding, and the per-layer inputs' (Gemma 4 E2B/E4B)."""
+        names = ("token_embd.weight", "per_layer_token_embd.weight", "per_layer_model_proj.weight",
+                 "per_layer_proj_norm.weight")
+        return tuple(t for t in map(self.tensor, names) if t)
 
     @property
     def output_tensors(self) -> tuple[TensorSpan, ...]:
@@ -269,7 +314,7 @@ class ModelLayout:
     def kv_bytes_per_token(self, layer: int, bytes_per_value: int = 2) -> int:
         """KV-cache bytes one token takes in one layer (F16 cache by default); none in a recurrent layer, whose state
         (recurrent_state_bytes a sequence) does not grow."""
-        if self.is_recurrent(layer):
+        if self.is_recurrent(layer) or self.kv_source(layer) is not None:
             return 0
         k, v = self.head_dims(layer)
         return (self.n_head_kv[layer] * (k + (0 if self.keys_only_cache else v)) + self.indexer_key_length) * \
@@ -303,8 +348,10 @@ def units_for(layout: ModelLayout, cpu_layers: Iterable[int], gpu_layers: Iterab
     """The parts of the file a model of these layers (and the output layer) reads."""
     cpu, gpu = sorted(set(cpu_layers)), sorted(set(gpu_layers))
     units = [GLOBALS] + [f"blk.{il}" for il in cpu] + [f"blk.{il}.raw" for il in gpu]
-    if 0 in cpu + gpu or (output and layout.output_tied):
-        units.append(INPUT)  # the token embedding: the first window looks tokens up; a tied lm_head copies it
+    # the token embedding: the first window looks tokens up (with per-layer inputs, the head's input window does);
+    # a tied lm_head copies it
+    if (0 in cpu + gpu and not layout.input_window) or (output and (layout.output_tied or layout.input_window)):
+        units.append(INPUT)
     if output:
         units.append(OUTPUT)
     return units
@@ -320,11 +367,11 @@ def unit_tensors(layout: ModelLayout, unit: str) -> list[TensorSpan]:
         return list(layout.layer_tensors(il))
     embd = layout.tensor("token_embd.weight")
     if unit == INPUT:
-        return [embd] if embd else []
+        return list(layout.input_tensors)
     out = [t for t in layout.output_tensors if t is not embd]  # a tied lm_head is the input unit's tensor
     if unit == OUTPUT:
         return out
-    taken = {t.name for t in out} | {"token_embd.weight"}
+    taken = {t.name for t in out} | {t.name for t in layout.input_tensors}
     return [t for t in layout.tensors if t.layer is None and t.name not in taken]
 
 
@@ -478,6 +525,8 @@ def _layout(
         keys_only_cache=bool(kv.get(f"{arch}.attention.key_length_mla")) and bool(
             kv.get(f"{arch}.attention.value_length_mla")),
         indexer_key_length=int(kv.get(f"{arch}.attention.indexer.key_length") or 0),
+        n_embd_per_layer=int(kv.get(f"{arch}.embedding_length_per_layer_input") or 0),
+        n_layer_kv_from_start=n_layer - int(kv.get(f"{arch}.attention.shared_kv_layers") or 0),
         **_routing(arch, kv, n_layer, vocab_size),
         **_recurrence(arch, kv, n_layer, n_head_kv),
     )
@@ -554,11 +603,4 @@ def _unsupported_reason(arch: str, kv: dict[str, Any], n_layer: int) -> str | No
         return ("its layers with a shared indexer (GLM 5.2) attend to the keys that an earlier layer's indexer chose, "
                 "which a window starting between them does not have; GLM 5 and 5.1 (an indexer in every layer) run in "
                 "windows; run this one with plain llama-cpp-python")
-    if arch == "gemma4":
-        if int(kv.get("gemma4.embedding_length_per_layer_input") or 0):
-            return ("its per-layer token embeddings (Gemma 4 E2B and E4B) are computed from the tokens for every layer "
-                    "at once; run Gemma 4 26B-A4B or 31B in windows, or this model with plain llama-cpp-python")
-        if int(kv.get("gemma4.attention.shared_kv_layers") or 0):
-            return ("its last layers read earlier layers' keys and values (shared KV), which windows do not keep "
-                    "together yet; run it with plain llama-cpp-python")
     return None

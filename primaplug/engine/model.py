@@ -212,6 +212,11 @@ class Model:
         placement[n_all] = cpu if output else _native.LLAMA_WINDOW_PLACEMENT_SKIP
 
         self._ptr = ptr = _native.load_for_windows(self.source, placement, repack=repack, purpose="for windows")
+        if _native.llama_window_row_width(ptr, 0) != self.layout.row_width(0):  # the rows the engine and we agree on
+            _ll.llama_model_free(ptr)
+            raise EngineError(f"the engine's rows entering layer 0 of {self.layout.arch} are "
+                              f"{_native.llama_window_row_width(ptr, 0)} floats wide, this primaplug's "
+                              f"{self.layout.row_width(0)}: rebuild the engine (make engine)")
         self.copied_bytes = self._copied_bytes()
         self._vocab = _ll.llama_model_get_vocab(ptr)
         self._stack = ExitStack()
@@ -259,7 +264,8 @@ class Model:
         """Open a context over layers [start, end) of this model.
 
         output_hidden defaults to True for a window that ends before the last layer, False otherwise.
-        [n_layer, n_layer) is the output-only window: hidden state in, logits out.
+        [n_layer, n_layer) is the output-only window: hidden state in, logits out. On a model with per-layer inputs
+        (ModelLayout.input_window), [0, 0) is the input window: tokens in, the rows entering layer 0 out.
         on_layer(il) is called from the computing thread when layer il starts, on_route(il, experts, x) when a
         mixture of experts' layer il has chosen its experts, before they compute (engine/progress.py).
         """
@@ -270,8 +276,11 @@ class Model:
         if end < n_layer and not hidden:
             raise WindowRangeError(f"window {rng} does not reach the last layer ({n_layer - 1}): "
                                    "it outputs hidden states")
-        if start == end and (end != n_layer or hidden):
-            raise WindowRangeError(f"an empty window must be the output-only window [{n_layer}, {n_layer})")
+        input_window = start == end == 0 and hidden and self.layout.input_window
+        if start == end and not input_window and (end != n_layer or hidden):
+            raise WindowRangeError(f"an empty window must be the output-only window [{n_layer}, {n_layer})"
+                                   + (" or the input window [0, 0)" if self.layout.input_window else ""))
+        self.layout.check_kv_sharing([rng])
         self._check_loaded(rng)
         if not hidden and not self.output:
             raise WindowRangeError(f"window {rng} outputs logits, but this Model was loaded with output=False")
@@ -507,18 +516,18 @@ class _Context:
                               "its last tokens cannot be forgotten (n_rs_seq): run it without a draft model")
         self.ptr = ptr
         _native.llama_attach_threadpool(ptr, pool, pool)
-        self._batches: dict[bool, _Batch] = {}
+        self._batches: dict[int, _Batch] = {}
         self.selected: int | None = None
         self.windows_open = 0
         self.closed = False
         # freed before the model, in reverse order of creation (llama.cpp needs contexts gone first)
         model._stack.callback(self.close)
 
-    def batch(self, tokens: bool) -> _Batch:
-        """The batch for token ids or for hidden rows, allocated on first use and kept."""
-        if tokens not in self._batches:
-            self._batches[tokens] = _Batch(self.settings.n_batch, 0 if tokens else self.n_embd, self.positions)
-        return self._batches[tokens]
+    def batch(self, width: int) -> _Batch:
+        """The batch for token ids (width 0) or for hidden rows of `width` floats, allocated on first use and kept."""
+        if width not in self._batches:
+            self._batches[width] = _Batch(self.settings.n_batch, width, self.positions)
+        return self._batches[width]
 
     def window_closed(self) -> None:
         self.windows_open -= 1
@@ -544,6 +553,9 @@ class Window:
         self.output_hidden = output_hidden
         self.settings = context.settings
         self.n_embd = model.layout.n_embd
+        # the floats of a row it takes (hidden states: n_embd, then any per-layer inputs ahead) and gives
+        self.in_width = 0 if self.takes_tokens else model.layout.row_width(layers.start)
+        self.out_width = model.layout.row_width(layers.end) if output_hidden else model.layout.n_vocab
         self.n_vocab = model.layout.n_vocab
         self.cpu = context.cpu
         self.context = context  # windows with the same context share its KV cache (kv_* apply to all of them)
@@ -556,7 +568,8 @@ class Window:
 
     @property
     def takes_tokens(self) -> bool:
-        return self.layers.start == 0
+        """The first window takes token ids; with per-layer inputs, only the input window [0, 0) does."""
+        return self.layers.start == 0 and (not self.model.layout.input_window or self.layers.end == 0)
 
     def forward(
         self,
@@ -566,14 +579,14 @@ class Window:
         seq_id: int | Sequence[int] | np.ndarray = 0,
         logits: str = "last",
     ) -> np.ndarray:
-        """Run the window over a batch of tokens (first window) or hidden states (float32, n x n_embd).
+        """Run the window over a batch of tokens (first window) or hidden states (float32, n x in_width).
 
         positions: the first position (consecutive positions follow) or one per input row.
         seq_id: the sequence of every row, or one per row (the rows of several requests in one call; each
             sequence's rows consecutive positions).
         logits: for a window that outputs logits, "last" (the last row only), "all", or "keep": every row
             computed but left in llama.cpp's buffer, where a llama.cpp sampler reads them (returns no rows).
-        Returns hidden states (n x n_embd, float32) or logits (rows x n_vocab, float32).
+        Returns hidden states (n x out_width, float32) or logits (rows x n_vocab, float32).
         """
         self._check_open()
         rows = self._rows(inputs)
@@ -588,11 +601,11 @@ class Window:
             raise ValueError(f"got {n} inputs but {seqs.shape[0] if seqs.ndim else 1} sequence ids")
         if logits not in ("last", "all", "keep"):
             raise ValueError(f"logits must be 'last', 'all' or 'keep', not {logits!r}")
-        width = self.n_embd if self.output_hidden else self.n_vocab
+        width = self.out_width
         if not self.layers.n_layers:
-            # the output-only window holds no keys or values, yet llama.cpp checks that each batch's positions
-            # continue the ones it saw last; the ring hands it the last row of each batch, at any position (a
-            # batch of n_batch rows ends n_batch on, a conversation goes back): it forgets what it saw
+            # the output-only (and the input) window holds no keys or values, yet llama.cpp checks that each
+            # batch's positions continue the ones it saw last; the ring hands it the last row of each batch, at any
+            # position (a batch of n_batch rows ends n_batch on, a conversation goes back): it forgets what it saw
             _ll.llama_memory_clear(_ll.llama_get_memory(self._ctx), False)
         elif self._index in (None, 0):
             # a batch at position p replaces what the cache holds from p on (a rewind the head did not send round
@@ -632,8 +645,8 @@ class Window:
                 raise ValueError(f"token ids must lie in [0, {self.n_vocab})")
             return rows
         rows = np.ascontiguousarray(inputs, dtype=np.float32)
-        if rows.ndim != 2 or rows.shape[1] != self.n_embd or rows.shape[0] == 0:
-            raise ValueError(f"window {self.layers} takes hidden states shaped (n, {self.n_embd}), got {rows.shape}")
+        if rows.ndim != 2 or rows.shape[1] != self.in_width or rows.shape[0] == 0:
+            raise ValueError(f"window {self.layers} takes hidden states shaped (n, {self.in_width}), got {rows.shape}")
         return rows
 
     def _decode(self, rows: np.ndarray, pos: np.ndarray, want: np.ndarray, seqs: np.ndarray) -> None:
@@ -642,7 +655,7 @@ class Window:
             if _native.llama_window_select(self._ctx, self._index) != 0:
                 raise EngineError(f"window {self.layers}: could not select it: {_log.take_errors() or 'see the log'}")
             ctx.selected = self._index
-        batch = ctx.batch(self.takes_tokens)
+        batch = ctx.batch(self.in_width)
         batch.fill(rows, pos, want, seqs)
         if ctx.progress is not None:
             ctx.progress.on_layer = self._on_layer

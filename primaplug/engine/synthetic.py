@@ -38,7 +38,10 @@ _LFM2_ARCHS = ("lfm2", "lfm2moe")
 # named shapes of an architecture that differ in which tensors they have: DeepSeek-V2-Lite's queries come from one
 # projection (no q LoRA) and it routes by softmax over all experts, where V3 and R1 (deepseek2) route by sigmoid with a
 # selection bias, within the best groups of experts
-VARIANTS = {"deepseek2-lite": {"arch": "deepseek2", "q_lora_rank": 0, "expert_groups": 0}}
+# Gemma 4 E2B and E4B are dense, with a per-layer input to every layer and their last layers reading earlier
+# layers' keys and values
+VARIANTS = {"deepseek2-lite": {"arch": "deepseek2", "q_lora_rank": 0, "expert_groups": 0},
+            "gemma4-e2b": {"arch": "gemma4", "n_expert": 0, "n_embd_per_layer": 256, "n_kv_shared": 1}}
 SYNTH_NAMES = ARCHS + tuple(VARIANTS)
 # gated delta-net layers (recurrent state) with full attention every QWEN35_ATTENTION_INTERVAL-th layer (the real
 # models: every 4th; here every 3rd, so that 7 layers hold two attention layers); Qwen3-Next is their predecessor,
@@ -92,6 +95,10 @@ class SyntheticSpec:
     # that agrees with the model as often as deep_scale allows (benchmarks/drafts.py: truncated_draft)
     shallow_layers: int = 0
     deep_scale: float = 1.0
+    # gemma4 as E2B/E4B: each layer's per-layer input of this width (0: none), and the last n_kv_shared layers with
+    # no keys and values of their own (each reads the last layer of its kind before them)
+    n_embd_per_layer: int = 0
+    n_kv_shared: int = 0
 
     def out_scale(self, il: int) -> float:
         """How much layer il's outputs (attention output, FFN down) are scaled: deep_scale past shallow_layers."""
@@ -147,6 +154,12 @@ def _tensors(spec: SyntheticSpec,
     embd = 0.25 if spec.arch in _LFM2_ARCHS else 1.0
     yield "token_embd.weight", (spec.n_vocab, e), lambda: (embd * rng.standard_normal((spec.n_vocab, e))).astype(
         np.float32)
+    if spec.n_embd_per_layer:  # Gemma 4 E2B/E4B: every layer's per-layer input, from the token and the embedding
+        n = spec.n_embd_per_layer * spec.n_layer
+        yield "per_layer_token_embd.weight", (spec.n_vocab, n), lambda: rng.standard_normal(
+            (spec.n_vocab, n)).astype(np.float32)
+        yield "per_layer_model_proj.weight", (n, e), mat(n, e)
+        yield "per_layer_proj_norm.weight", (spec.n_embd_per_layer,), norm(spec.n_embd_per_layer)
     a = spec.arch
     for il in range(spec.n_blocks):
         p = f"blk.{il}."
@@ -419,15 +432,18 @@ def _gemma4_layer(spec: SyntheticSpec, il: int, mat: Callable[..., Maker], norm:
     sliding = gemma4_sliding(il)
     hd = spec.n_embd // spec.n_head * (1 if sliding else 2)
     kv = hd * (spec.n_head_kv if sliding else 1)
+    own_kv = il < spec.n_layer - spec.n_kv_shared  # E2B/E4B: the last layers read earlier layers' keys and values
     yield p + "attn_norm.weight", (e,), norm(e)
     yield p + "attn_q.weight", (spec.n_head * hd, e), mat(spec.n_head * hd, e)
-    yield p + "attn_k.weight", (kv, e), mat(kv, e)
-    if sliding:
+    if own_kv:
+        yield p + "attn_k.weight", (kv, e), mat(kv, e)
+    if sliding and own_kv:
         yield p + "attn_v.weight", (kv, e), mat(kv, e)
-    elif all(gemma4_sliding(j) for j in range(il)):  # the first global layer holds the rope_freqs they all read
+    if not sliding and all(gemma4_sliding(j) for j in range(il)):  # the first global layer holds the rope_freqs
         yield "rope_freqs.weight", (hd // 2,), norm(hd // 2)
     yield p + "attn_q_norm.weight", (hd,), norm(hd)
-    yield p + "attn_k_norm.weight", (hd,), norm(hd)
+    if own_kv:
+        yield p + "attn_k_norm.weight", (hd,), norm(hd)
     yield p + "attn_output.weight", (e, spec.n_head * hd), mat(e, spec.n_head * hd)
     # the embedding is scaled by sqrt(e) and is also the lm_head: post-norms as large let the layers, not the token
     # itself, decide the next token
@@ -437,7 +453,12 @@ def _gemma4_layer(spec: SyntheticSpec, il: int, mat: Callable[..., Maker], norm:
     yield p + "ffn_norm.weight", (e,), norm(e)
     yield from _dense_ffn(spec, p, mat)
     yield p + "post_ffw_norm.weight", (e,), norm(e, big)
-    if il >= spec.n_dense_lead:
+    if spec.n_embd_per_layer:  # the per-layer input, gated by the layer's output and added back to it
+        n = spec.n_embd_per_layer
+        yield p + "inp_gate.weight", (n, e), mat(n, e)
+        yield p + "proj.weight", (e, n), mat(e, n)
+        yield p + "post_norm.weight", (e,), norm(e)
+    if spec.n_expert and il >= spec.n_dense_lead:
         x, f = spec.n_expert, spec.n_ff_exp
         yield p + "ffn_gate_inp.weight", (x, e), mat(x, e, 4.0 * np.sqrt(e))  # its input is scaled by 1/sqrt(e)
         yield p + "ffn_gate_inp.scale", (e,), norm(e)
@@ -504,7 +525,9 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
         w.add_value_length_swa(hd)
         w.add_rope_dimension_count_swa(hd)
         w.add_sliding_window_pattern([gemma4_sliding(il) for il in range(spec.n_layer)])
-        w.add_embedding_length_per_layer_input(0)  # no per-layer token embeddings (E2B, E4B): windows refuse them
+        w.add_embedding_length_per_layer_input(spec.n_embd_per_layer)  # E2B and E4B: a per-layer input each
+        if spec.n_kv_shared:
+            w.add_shared_kv_layers(spec.n_kv_shared)
         w.add_final_logit_softcapping(100.0)  # far from saturation: no near-ties at the cap
         w.add_rope_freq_base_swa(10000.0)
     elif spec.arch in _DEEPSEEK_ARCHS:  # MLA as one key-value head over the compressed vector (the converter's layout)
@@ -532,7 +555,7 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
         w.add_residual_scale(0.22)
         w.add_attention_scale(1.0 / 64)
         w.add_logit_scale(0.25)
-    if spec.arch in MOE_ARCHS:
+    if spec.arch in MOE_ARCHS and spec.n_expert:
         w.add_expert_count(spec.n_expert)
         w.add_expert_used_count(spec.n_expert_used)
         w.add_expert_feed_forward_length(spec.n_ff_exp)
@@ -660,7 +683,7 @@ def spec_for_size(size_bytes: int, n_layer: int, *, ftype: str = "Q4_K_M", n_voc
     variant, arch = arch, VARIANTS.get(arch, {"arch": arch})["arch"]
     bits = {"Q4_K_M": 4.85, "Q4_K_S": 4.6, "Q5_K_M": 5.7, "Q6_K": 6.6, "Q8_0": 8.5, "F16": 16, "F32": 32,
             "MXFP4_MOE": 4.25}[ftype]
-    moe = arch in MOE_ARCHS
+    moe = arch in MOE_ARCHS and VARIANTS.get(variant, {}).get("n_expert", 1) != 0  # gemma4-e2b: dense
     # weights per layer in units of e^2: q and o (1 each), k and v (1/4 each); then gate, up and down (3 x 3.5),
     # or for experts of width e/2, 1.5 per expert (and what is beside them)
     beside = {"glm4moe": 1.5, "kimi-linear": 1.5, "gemma4": 10.5, **dict.fromkeys(_DEEPSEEK_ARCHS, 1.5)}.get(arch, 0.0)

@@ -260,7 +260,10 @@ class Batcher:
         rows = np.concatenate([s.rows for s in steps]) if len(steps) > 1 else steps[0].rows
         msg = ring.activation(step, parts)
         if r:  # hidden rows, back from the head's window of the round before
-            msg = msgspec.structs.replace(msg, round=r, width=rows.shape[1], dtype="float32")
+            msg = msgspec.structs.replace(msg, round=r, width=rows.shape[1], dtype="float32",
+                                          per_layer=rows.shape[1] - ring.n_embd)
+        else:
+            msg, rows = ring.enter(msg, rows)
         n = len(rows)
         what = (f"{'prefill' if n > len(steps) else 'decode'} of {n} row(s) of "
                 f"{'sequence ' + str(steps[0].seq_id) if len(steps) == 1 else f'{len(steps)} sequences'}"

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -47,6 +48,9 @@ from primaplug.wire import (
     decode_ring,
     encode_ring,
 )
+
+if TYPE_CHECKING:
+    from primaplug.engine import Window
 
 log = logging.getLogger(__name__)
 
@@ -249,8 +253,16 @@ class Cluster:
             sizes = list(s.layers) if s.layers else [n_layer // s.rounds]
             self.head_ranges = [w for w in execution_order(ring_windows(sizes, s.rounds, n_layer)) if w.n_layers]
             self.head_gpu = s.head_gpu_layers
+            self._check_windows()
             return
-        sizes = list(s.layers) if s.layers else even_split(n_layer // s.rounds, len(self.nodes))
+        tail = self.layout.kv_tail if self.layout is not None else 0
+        if s.layers:
+            sizes = list(s.layers)
+        elif tail and s.rounds == 1 and n_layer - tail >= len(self.nodes):
+            # the layers that share keys and values go to the head, the others evenly to the nodes
+            sizes = [*even_split(n_layer - tail, len(self.nodes)), tail]
+        else:
+            sizes = even_split(n_layer // s.rounds, len(self.nodes))
         if len(sizes) == len(self.nodes):
             sizes.append(0)  # the head runs only the output layer
         if len(sizes) != len(self.nodes) + 1:
@@ -258,10 +270,17 @@ class Cluster:
                               f"head; got {len(sizes)}")
         per_device = ring_windows(sizes, s.rounds, n_layer)
         self.node_ranges, self.head_ranges = per_device[:-1], per_device[-1]
+        self._check_windows()
         gpu = list(s.gpu_layers or ())
         self.node_gpu = [gpu[i] if i < len(gpu) else 0 for i in range(len(self.nodes))]
         rooms = list(s.stream_rooms or ())
         self.node_room = [rooms[i] if i < len(rooms) else 0 for i in range(len(self.nodes))]
+
+    def _check_windows(self) -> None:
+        """Raise WindowRangeError, before any node loads, when a window would hold a layer that reads the keys and
+        values of a layer outside it (ModelLayout.check_kv_sharing)."""
+        if self.layout is not None:
+            self.layout.check_kv_sharing([*self.head_ranges, *(r for rs in self.node_ranges for r in rs)])
 
     # --- planning from measurements --------------------------------------------------------------------------
 
@@ -363,6 +382,7 @@ class Cluster:
         self.node_room = [d.room for _, d in keep]
         self.head_ranges = list(plan.head.windows)
         self.head_gpu = plan.head.n  # a head with a GPU gets GPU layers from Halda and the baselines too
+        self._check_windows()
 
     def head_gpu_layers(self) -> list[int]:
         """The layers the head runs on its GPU: the first head_gpu of each of its windows."""
@@ -426,8 +446,9 @@ class Cluster:
             if pending:
                 time.sleep(0.05)
 
-    def ring(self, local: DeviceWindows | None) -> RingHead:
-        """The ring, closed by the head, with the head's own windows (`local`: one per round, over head_ranges).
+    def ring(self, local: DeviceWindows | None, entry: Window | None = None) -> RingHead:
+        """The ring, closed by the head, with the head's own windows (`local`: one per round, over head_ranges) and
+        its input window (`entry`, on a model with per-layer inputs).
         Without nodes (none given, or a plan that found the head fastest alone) the head runs every window. A ring
         made before (of an earlier assignment) stops sending."""
         for old in self._outs:
@@ -438,7 +459,7 @@ class Cluster:
             out = self.transport.ring_out(self.settings.link(HEAD, self._ring_endpoint(0)))
             self._outs.append(out)
         return RingHead(self.nodes, self.ring_in, out, self.epoch, local, len(self.head_ranges), self.model.n_layer,
-                        self.model.n_embd, self.settings.timeout_s, self._embedding())
+                        self.model.n_embd, self.settings.timeout_s, self._embedding(), entry)
 
     def _embedding(self) -> EmbeddingRows | None:
         """The token embedding's rows for the node that runs layer 0, when it fetched its layers (it has none)."""
@@ -447,7 +468,7 @@ class Cluster:
         w = first.welcome if first is not None else None
         if (w is None or self.holder is None or self.layout is None
                 or self.model.identity in {m.identity for m in w.models}
-                or self.layout.tensor("token_embd.weight") is None):
+                or self.layout.tensor("token_embd.weight") is None or self.layout.input_window):
             return None
         return EmbeddingRows(self.holder.file.fd, self.layout)
 

@@ -253,9 +253,11 @@ class Llama(RingLlama):
             model = self._device.model
             output = model.window(layout.n_layer, layout.n_layer, settings=dataclasses.replace(
                 context, n_ctx=n_ctx, n_seq_max=1, poll=0))
+            entry = model.window(0, 0, output_hidden=True, settings=dataclasses.replace(context, poll=0)) \
+                if layout.input_window else None
 
             def open_ring(c: Cluster) -> Batcher:
-                return Batcher(c.ring(self._device), output, n_batch=n_batch, trips=ring_trips,
+                return Batcher(c.ring(self._device, entry), output, n_batch=n_batch, trips=ring_trips,
                                streams=ring_trips == 0 and n_parallel > 1 and self._streams())
 
             # a node lost, restarted or joined re-forms the ring (head/recovery.py); requests replay onto it

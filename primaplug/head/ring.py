@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 
 from primaplug.core.errors import NodeError, NodeUnavailableError, ProtocolError
@@ -32,6 +34,9 @@ from primaplug.wire import (
     window_output,
 )
 
+if TYPE_CHECKING:
+    from primaplug.engine import Window
+
 log = logging.getLogger(__name__)
 
 class RingHead:
@@ -41,7 +46,8 @@ class RingHead:
 
     def __init__(self, nodes: Sequence[NodeClient], ring_in: RingIn | None, ring_out: RingOut | None, epoch: int,
                  local: DeviceWindows | None, rounds: int, n_layer: int, n_embd: int,
-                 timeout_s: float = TIMEOUT_S, embedding: EmbeddingRows | None = None) -> None:
+                 timeout_s: float = TIMEOUT_S, embedding: EmbeddingRows | None = None,
+                 entry: Window | None = None) -> None:
         self.nodes = list(nodes)
         self.ring_in, self.ring_out = ring_in, ring_out
         self.epoch = epoch
@@ -50,6 +56,7 @@ class RingHead:
         self.n_layer, self.n_embd = n_layer, n_embd
         self.timeout_s = timeout_s
         self.embedding = embedding  # the first node fetched its layers: its tokens bring their embedding rows
+        self.entry = entry  # the input window [0, 0) of a model with per-layer inputs (Gemma 4 E2B/E4B), else None
 
     @property
     def has_nodes(self) -> bool:
@@ -59,6 +66,16 @@ class RingHead:
         """The message that takes token ids of these parts into round 0."""
         return Activation(proto=PROTOCOL_VERSION, epoch=self.epoch, step=step, round=0, parts=tuple(parts),
                           width=1, dtype="int32")
+
+    def enter(self, msg: Activation, rows: np.ndarray) -> tuple[Activation, np.ndarray]:
+        """What goes into round 0 for token ids: the ids, or on a model with per-layer inputs the rows its input
+        window computes from them (the hidden state, then every layer's per-layer input), which travel round the
+        ring and shrink by each window's layers (wire/ring.py, Activation.per_layer)."""
+        if self.entry is None or msg.dtype != "int32":
+            return msg, rows
+        out = self.entry.forward(rows[:, 0], msg.positions(), seq_id=msg.seq_ids())
+        return msgspec.structs.replace(msg, width=out.shape[1], dtype="float32",
+                                       per_layer=out.shape[1] - self.n_embd), out
 
     def kv_op(self, step: int, seq_id: int, p0: int = 0, p1: int = -1) -> KvOp:
         return KvOp(proto=PROTOCOL_VERSION, epoch=self.epoch, step=step, op="remove", seq_id=seq_id, p0=p0, p1=p1)
@@ -99,14 +116,14 @@ class RingHead:
         with self.local.awake() if self.nodes else contextlib.nullcontext():  # alone: awake for the whole trip
             out = self.local.compute(r, inputs, msg.positions(), seq_id=msg.seq_ids())
         self.local.done(r)
-        return window_output(msg, out, last_layer=w.layers.end == self.n_layer)
+        return window_output(msg, out, last_layer=w.layers.end == self.n_layer, n_embd=self.n_embd)
 
     def local_kv(self, op: KvOp) -> None:
         if self.local is not None:
             self.local.kv_clear() if op.op == "clear" else self.local.kv_remove(op.seq_id, op.p0, op.p1)
 
     def check_hidden(self, msg: Activation) -> None:
-        if msg.dtype != "float32" or msg.width != self.n_embd:
+        if msg.dtype != "float32" or msg.width != self.n_embd or msg.per_layer:
             raise ProtocolError(f"the ring returned {msg.dtype} rows of width {msg.width}, not hidden states")
 
     def watch(self, now: float) -> Watch:

@@ -117,16 +117,18 @@ class Deployment:
         if window is None:
             return msg, rows
         if window.takes_tokens != (msg.dtype == "int32"):
-            want = "token ids" if window.takes_tokens else f"hidden states (float32 x {window.n_embd})"
+            want = "token ids" if window.takes_tokens else f"hidden states (float32 x {window.in_width})"
             raise ProtocolError(f"window {window.layers} takes {want}, got {msg.dtype} rows of width {msg.width}")
-        if not window.takes_tokens and msg.width != window.n_embd:
-            raise ProtocolError(f"hidden states of width {msg.width}, the model's n_embd is {window.n_embd}")
+        ahead = window.in_width - window.n_embd  # per-layer inputs (Gemma 4 E2B/E4B)
+        if not window.takes_tokens and (msg.width != window.in_width or msg.per_layer != ahead):
+            raise ProtocolError(f"hidden states of width {msg.width} ({msg.per_layer} of them per-layer inputs)"
+                                f", window {window.layers} takes {window.in_width} ({ahead})")
         try:
             out = self.device.compute(msg.round, rows[:, 0] if window.takes_tokens else rows, msg.positions(),
                                       seq_id=msg.seq_ids())
         except ValueError as e:
             raise ProtocolError(str(e)) from None
-        return window_output(msg, out, last_layer=window.layers.end == self.n_layer)
+        return window_output(msg, out, last_layer=window.layers.end == self.n_layer, n_embd=window.n_embd)
 
     def sent(self, msg: Activation) -> None:
         """The round's output has gone to the successor: its streamed weights can go, and after a batch of several

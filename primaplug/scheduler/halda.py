@@ -181,6 +181,7 @@ class FixedKSolver:
         full = c["full"]
         # Metal: the set bounds w (Eqs. 28, 31); M2's disk time is in a
         w_lo = np.where(metal & (sets == M2), c["spill"], 1)
+        w_lo = np.where(self.p.head, np.maximum(w_lo, self.p.tail_layers), w_lo)  # the shared-KV tail: the head's
         w_hi = np.where(metal & m4, c["fit"], full)
         x1_hi = np.where(free, c["x1_free"], np.where(metal, full, c["fit"]))
         x2_hi = np.where(free, c["x2_free"], zero)

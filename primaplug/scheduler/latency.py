@@ -86,6 +86,7 @@ class Platform:
     lookup_bytes: int  # b_i/V: one row of the input embedding
     expert_bytes: int = 0  # of layer_bytes, a mixture of experts' routed experts (ModelProfile.layer_expert_bytes)
     expert_share: float = 0.0  # the share of them one token uses
+    tail_layers: int = 0  # the head's last window holds at least these last layers (ModelProfile.tail_layers)
 
     @property
     def n_devices(self) -> int:
@@ -142,7 +143,7 @@ class Platform:
             names=tuple(self.names[i] for i in keep), n_layer=self.n_layer, t_out=self.t_out, m_head=self.m_head,
             layer_bytes=self.layer_bytes, layer_kv_bytes=self.layer_kv_bytes, head_extra=self.head_extra,
             lookup_bytes=self.lookup_bytes, expert_bytes=self.expert_bytes, expert_share=self.expert_share,
-            **arrays,
+            tail_layers=self.tail_layers, **arrays,
         )
 
 
@@ -219,7 +220,7 @@ def platform(
         vram_cap=np.array(vram_cap, dtype=np.int64),
         vram_head=vram_head.astype(np.int64), vram_window=vram_window.astype(np.int64),
         layer_bytes=model.layer_bytes, layer_kv_bytes=bp, head_extra=head_extra, lookup_bytes=lookup,
-        expert_bytes=model.layer_expert_bytes, expert_share=model.expert_token_share,
+        expert_bytes=model.layer_expert_bytes, expert_share=model.expert_token_share, tail_layers=model.tail_layers,
     )
 
 

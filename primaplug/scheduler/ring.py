@@ -146,6 +146,8 @@ def best_placement(p: Platform, k: int, beat: float = np.inf, *, relays: bool = 
     layer per window, unless `relays`; the head may run none); None when none is finite or none is faster than
     `beat`. A relay (no layer) still passes the hidden state on, but its hop is not counted."""
     per_round = p.n_layer // k
+    if p.tail_layers > per_round:  # the last window, the head's, cannot hold the layers that must share one
+        return None
     if p.n_devices == 1:  # the head alone runs every layer
         found = _placement(p, k, [per_round])
         return found if found is not None and np.isfinite(found.objective_s) and found.objective_s < beat else None
@@ -155,6 +157,7 @@ def best_placement(p: Platform, k: int, beat: float = np.inf, *, relays: bool = 
     chain = pred.compute_s + pred.memory_s + pred.network_s + pred.fault_s
     if not relays:
         chain[0, 1:] = np.inf  # w >= 1 but for the head
+    chain[: p.tail_layers, 0] = np.inf  # the head holds the last layers that must share a window
     bad = ~np.isfinite(chain) | ~np.isfinite(own)
     chain[bad], own[bad] = np.inf, np.inf
     # f(t) = max(t, least chain with every device's own time <= t) is least at the first bound t_i (a value

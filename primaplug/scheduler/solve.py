@@ -198,6 +198,11 @@ def placement(
     if any(s < 1 for s in sizes[:nodes]):
         raise ValueError("every node needs at least one layer per round (leave a node out of the ring instead)")
     head = sizes[nodes] if len(sizes) > nodes else 0
+    last = head or sizes[nodes - 1] if nodes else head
+    if last < model.tail_layers:
+        raise ValueError(f"the last {model.tail_layers} layers share keys and values and must run in one window, the "
+                         f"last of the ring: give the last device ({'the head' if head else 'the last node'}) at least "
+                         f"{model.tail_layers} layers a round, not {last}")
     w = [head, *sizes[:nodes]]
     gpu = [0] + [min(gpu_layers[i] if i < len(gpu_layers) else 0, w[i + 1]) for i in range(nodes)]
     p = platform(devices, model, slow_disk_bps=slow_disk_bps)

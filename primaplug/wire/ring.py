@@ -47,8 +47,11 @@ class Activation(_RingMsg, tag="act", omit_defaults=True):  # no embedding rows:
 
     round: int
     parts: tuple[Part, ...]
-    width: int  # 1 for token ids, n_embd for hidden states
+    width: int  # 1 for token ids, n_embd for hidden states (and per_layer more)
     dtype: Literal["int32", "float32"]
+    # Gemma 4 E2B/E4B: the per-layer inputs of the layers still ahead, after each row's n_embd hidden values (the
+    # head computes every layer's from the tokens; each window reads its own and passes the rest on)
+    per_layer: int = 0
     embd_rows: tuple[int, ...] = ()  # token ids whose embedding rows follow, in this order, in a third frame
 
     @property
@@ -84,9 +87,10 @@ class RingError(_RingMsg, tag="err"):
 RingMessage = Activation | KvOp | RingError
 
 
-def window_output(msg: Activation, out: np.ndarray, *, last_layer: bool) -> tuple[Activation, np.ndarray]:
-    """What a window that received `msg` sends on: its hidden rows (float32, n x n_embd). After the model's last
-    layer only each part's last row goes on, unless the head asked for every row of that part."""
+def window_output(msg: Activation, out: np.ndarray, *, last_layer: bool, n_embd: int) -> tuple[Activation, np.ndarray]:
+    """What a window that received `msg` sends on: its hidden rows (float32, n x (n_embd + the per-layer inputs
+    still ahead)). After the model's last layer only each part's last row goes on, unless the head asked for every
+    row of that part."""
     parts = msg.parts
     if last_layer and not all(p.all_rows for p in parts):
         keep: list[int] = []
@@ -102,7 +106,7 @@ def window_output(msg: Activation, out: np.ndarray, *, last_layer: bool) -> tupl
             start += p.n_rows
         out, parts = out[keep], tuple(kept)
     nxt = Activation(proto=msg.proto, epoch=msg.epoch, step=msg.step, round=msg.round, parts=parts,
-                     width=out.shape[1], dtype="float32")
+                     width=out.shape[1], dtype="float32", per_layer=out.shape[1] - n_embd)
     return nxt, out
 
 _enc = msgspec.msgpack.Encoder()
@@ -172,6 +176,9 @@ def decode_ring(frames: list[bytes | memoryview]) -> tuple[RingMessage, np.ndarr
     if len({p.seq_id for p in msg.parts}) != len(msg.parts):
         raise RingFrameError(msg.step, f"activation step {msg.step}: a sequence in two parts "
                              f"({[p.seq_id for p in msg.parts]})")
+    if msg.per_layer < 0 or msg.per_layer >= msg.width or (msg.per_layer and msg.dtype != "float32"):
+        raise RingFrameError(msg.step, f"activation step {msg.step}: {msg.per_layer} per-layer values in rows of "
+                             f"width {msg.width} ({msg.dtype})")
     if (msg.dtype == "int32") != (msg.width == 1):
         raise RingFrameError(msg.step, f"activation step {msg.step}: {msg.dtype} rows of width {msg.width} "
                             "(token ids are int32 of width 1, hidden states float32 of width n_embd)")
