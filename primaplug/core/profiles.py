@@ -126,8 +126,8 @@ class ModelProfile(msgspec.Struct, frozen=True, kw_only=True):
     # recurrent layers (gated delta-net, short convolutions): the state a layer keeps, on average over the layers,
     # for one sequence; planning multiplies it by the sequences and the snapshots a draft needs (n_rs_seq)
     state_bytes_layer: int = 0
-    # Gemma 4 E2B/E4B: every layer's per-layer input for one token (float32), which the head computes and which
-    # travels with the hidden state, each hop carrying those of the layers after its window (ModelLayout.row_width)
+    # Gemma 4 E2B/E4B: the per-layer inputs of one token (float32) that travel: the head computes them and keeps
+    # those of its own last window (the shared-KV tail); each hop carries those of the layers after its window
     per_layer_input_bytes: int = 0
     # the last layers that must share one window, the head's last (Gemma 4's shared KV and the layers it reads)
     tail_layers: int = 0

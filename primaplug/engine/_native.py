@@ -103,6 +103,9 @@ llama_window_set_logits = _bind(
 
 # LLAMA_API int32_t llama_window_row_width(const struct llama_model * model, int32_t il);
 llama_window_row_width = _bind("llama_window_row_width", [_ll.llama_model_p_ctypes, ctypes.c_int32], ctypes.c_int32)
+# LLAMA_API int32_t llama_window_set_row_end(struct llama_context * ctx, int32_t row_end);
+llama_window_set_row_end = _bind("llama_window_set_row_end", [_ll.llama_context_p_ctypes, ctypes.c_int32],
+                                 ctypes.c_int32)
 
 # LLAMA_API size_t llama_window_release_compute(struct llama_context * ctx);
 llama_window_release_compute = _bind("llama_window_release_compute", [_ll.llama_context_p_ctypes], ctypes.c_size_t)

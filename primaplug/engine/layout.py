@@ -132,10 +132,11 @@ class ModelLayout:
     # (sliding or global) before it (Gemma 4's shared KV, kv_source); n_layer: none share
     n_layer_kv_from_start: int = 0
 
-    def row_width(self, layer: int) -> int:
+    def row_width(self, layer: int, row_end: int = 0) -> int:
         """The floats of a hidden-state row entering `layer` (n_layer: the output layer's): n_embd, then the
-        per-layer inputs of the layers from `layer` on (llama.cpp's llama_window_row_width)."""
-        return self.n_embd + self.n_embd_per_layer * max(0, self.n_layer - layer)
+        per-layer inputs of the layers from `layer` up to row_end (0: the last; llama.cpp's llama_window_row_width
+        and llama_window_set_row_end)."""
+        return self.n_embd + self.n_embd_per_layer * max(0, (row_end or self.n_layer) - layer)
 
     @property
     def input_window(self) -> bool:

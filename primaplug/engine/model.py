@@ -76,6 +76,9 @@ class ContextSettings:
     # snapshots of each sequence's recurrent state, one a token, so that its last n_rs_seq tokens can be forgotten
     # (a rejected draft: ModelLayout.can_roll_back); 0: none, and no partial rewind
     n_rs_seq: int = 0
+    # per-layer inputs (ModelLayout.input_window): the rows of a window that ends by this layer carry those of the
+    # layers up to it only, the device running the layers from it on keeping theirs (head/ring.py); 0: every layer's
+    row_end: int = 0
 
     @property
     def threads(self) -> int:
@@ -284,11 +287,18 @@ class Model:
         self._check_loaded(rng)
         if not hidden and not self.output:
             raise WindowRangeError(f"window {rng} outputs logits, but this Model was loaded with output=False")
+        settings = settings or ContextSettings()
         context = _Context(
-            self, settings or ContextSettings(), on_layer is not None, on_route,
+            self, settings, on_layer is not None, on_route,
             lambda params: _native.llama_init_window_from_model(self._ptr, params, start, end, hidden),
             f"window {rng}")
-        return Window(self, rng, hidden, context, on_layer=on_layer)
+        # rows carrying per-layer inputs up to row_end: windows that end by it, but for the input window
+        row_end = settings.row_end if self.layout.input_window and 0 < end <= settings.row_end < n_layer else 0
+        if row_end and _native.llama_window_set_row_end(context.ptr, row_end) != 0:
+            context.close()
+            raise EngineError(f"window {rng}: its rows cannot carry per-layer inputs up to layer {row_end}: "
+                              f"{_log.take_errors() or 'see the log'}")
+        return Window(self, rng, hidden, context, on_layer=on_layer, row_end=row_end)
 
     def _check_loaded(self, rng: LayerRange) -> None:
         missing = sorted(set(range(rng.start, rng.end)) - self.layers)
@@ -547,15 +557,15 @@ class Window:
     shared with the device's other windows (Model.shared_windows)."""
 
     def __init__(self, model: Model, layers: LayerRange, output_hidden: bool, context: _Context,
-                 index: int | None = None, on_layer: Callable[[int], None] | None = None) -> None:
+                 index: int | None = None, on_layer: Callable[[int], None] | None = None, row_end: int = 0) -> None:
         self.model = model
         self.layers = layers
         self.output_hidden = output_hidden
         self.settings = context.settings
         self.n_embd = model.layout.n_embd
         # the floats of a row it takes (hidden states: n_embd, then any per-layer inputs ahead) and gives
-        self.in_width = 0 if self.takes_tokens else model.layout.row_width(layers.start)
-        self.out_width = model.layout.row_width(layers.end) if output_hidden else model.layout.n_vocab
+        self.in_width = 0 if self.takes_tokens else model.layout.row_width(layers.start, row_end)
+        self.out_width = model.layout.row_width(layers.end, row_end) if output_hidden else model.layout.n_vocab
         self.n_vocab = model.layout.n_vocab
         self.cpu = context.cpu
         self.context = context  # windows with the same context share its KV cache (kv_* apply to all of them)

@@ -276,6 +276,16 @@ class Cluster:
         rooms = list(s.stream_rooms or ())
         self.node_room = [rooms[i] if i < len(rooms) else 0 for i in range(len(self.nodes))]
 
+    @property
+    def row_end(self) -> int:
+        """Where the rows' per-layer inputs stop (ContextSettings.row_end): at the head's last window, whose layers'
+        inputs the head keeps from its input window instead of sending them round the ring; 0: every layer's."""
+        last = self.head_ranges[-1] if self.head_ranges else None
+        if (self.layout is None or not self.layout.input_window or not self.nodes or last is None
+                or not last.n_layers or last.end != self.model.n_layer):
+            return 0
+        return last.start
+
     def _check_windows(self) -> None:
         """Raise WindowRangeError, before any node loads, when a window would hold a layer that reads the keys and
         values of a layer outside it (ModelLayout.check_kv_sharing)."""
@@ -415,7 +425,8 @@ class Cluster:
             n.load(Assignment(epoch=self.epoch, model=self.model, windows=windows, successor=self._successor(i),
                               n_ctx=s.n_ctx * s.n_parallel, n_batch=s.n_batch, n_ubatch=s.n_ubatch,
                               n_threads=s.n_threads, n_seq_max=s.n_parallel,
-                              stream_room=self.node_room[i], n_rs_seq=s.n_rs_seq), self.source(n))
+                              stream_room=self.node_room[i], n_rs_seq=s.n_rs_seq, row_end=self.row_end),
+                   self.source(n))
         t0 = time.perf_counter()
         self._wait_loaded(self.epoch, report=True)
         nodes = tuple((n.name, tuple(r)) for n, r in zip(self.nodes, self.node_ranges, strict=True))
@@ -459,7 +470,8 @@ class Cluster:
             out = self.transport.ring_out(self.settings.link(HEAD, self._ring_endpoint(0)))
             self._outs.append(out)
         return RingHead(self.nodes, self.ring_in, out, self.epoch, local, len(self.head_ranges), self.model.n_layer,
-                        self.model.n_embd, self.settings.timeout_s, self._embedding(), entry)
+                        self.model.n_embd, self.settings.timeout_s, self._embedding(), entry,
+                        self.row_end if entry is not None else 0)
 
     def _embedding(self) -> EmbeddingRows | None:
         """The token embedding's rows for the node that runs layer 0, when it fetched its layers (it has none)."""

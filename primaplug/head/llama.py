@@ -231,7 +231,8 @@ class Llama(RingLlama):
                 cluster.plan()
             # the head's windows live on the device layer, as a node's do: same memory plan, same prefetch hooks
             context = ContextSettings(n_ctx=n_ctx * n_parallel, n_batch=n_batch, n_ubatch=n_ubatch,
-                                      n_threads=threads, poll=BUSY_POLL, n_seq_max=n_parallel, n_rs_seq=rollback)
+                                      n_threads=threads, poll=BUSY_POLL, n_seq_max=n_parallel, n_rs_seq=rollback,
+                                      row_end=cluster.row_end)
             self._device = DeviceWindows.load(
                 path, layout, cluster.head_ranges, context=context,
                 memory=MemorySettings(budget_bytes=memory_budget, switches=memory_switches or Switches()),

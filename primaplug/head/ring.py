@@ -47,7 +47,7 @@ class RingHead:
     def __init__(self, nodes: Sequence[NodeClient], ring_in: RingIn | None, ring_out: RingOut | None, epoch: int,
                  local: DeviceWindows | None, rounds: int, n_layer: int, n_embd: int,
                  timeout_s: float = TIMEOUT_S, embedding: EmbeddingRows | None = None,
-                 entry: Window | None = None) -> None:
+                 entry: Window | None = None, keep_from: int = 0) -> None:
         self.nodes = list(nodes)
         self.ring_in, self.ring_out = ring_in, ring_out
         self.epoch = epoch
@@ -57,6 +57,10 @@ class RingHead:
         self.timeout_s = timeout_s
         self.embedding = embedding  # the first node fetched its layers: its tokens bring their embedding rows
         self.entry = entry  # the input window [0, 0) of a model with per-layer inputs (Gemma 4 E2B/E4B), else None
+        # the head's last window starts here: it keeps those layers' per-layer inputs (Cluster.row_end), by
+        # (sequence, first position) of each part, until the part's rows come back to that window; 0: none kept
+        self.keep_from = keep_from
+        self._kept: dict[tuple[int, int], np.ndarray] = {}
 
     @property
     def has_nodes(self) -> bool:
@@ -74,8 +78,30 @@ class RingHead:
         if self.entry is None or msg.dtype != "int32":
             return msg, rows
         out = self.entry.forward(rows[:, 0], msg.positions(), seq_id=msg.seq_ids())
+        if self.keep_from:
+            cut = self.entry.model.layout.row_width(0, self.keep_from)
+            start = 0
+            for p in msg.parts:
+                # a sequence has one step in the ring at a time: what it kept before belongs to a failed trip
+                for stale in [key for key in self._kept if key[0] == p.seq_id]:
+                    del self._kept[stale]
+                self._kept[(p.seq_id, p.pos0)] = out[start: start + p.n_rows, cut:]
+                start += p.n_rows
+            out = out[:, :cut]
         return msgspec.structs.replace(msg, width=out.shape[1], dtype="float32",
                                        per_layer=out.shape[1] - self.n_embd), out
+
+    def _take_kept(self, msg: Activation, rows: np.ndarray) -> np.ndarray:
+        """The rows with the per-layer inputs the head kept for its last window put back after each part's."""
+        start, out = 0, []
+        for p in msg.parts:
+            kept = self._kept.pop((p.seq_id, p.pos0), None)
+            if kept is None or len(kept) != p.n_rows:
+                raise ProtocolError(f"rows of sequence {p.seq_id} from position {p.pos0} came back without the "
+                                    "per-layer inputs the head kept for them")
+            out.append(np.concatenate([rows[start: start + p.n_rows], kept], axis=1))
+            start += p.n_rows
+        return np.concatenate(out) if len(out) > 1 else out[0]
 
     def kv_op(self, step: int, seq_id: int, p0: int = 0, p1: int = -1) -> KvOp:
         return KvOp(proto=PROTOCOL_VERSION, epoch=self.epoch, step=step, op="remove", seq_id=seq_id, p0=p0, p1=p1)
@@ -112,6 +138,8 @@ class RingHead:
         if w is None:
             return msg, rows
         assert self.local is not None
+        if self.keep_from and w.layers.start == self.keep_from:
+            rows = self._take_kept(msg, rows)
         inputs = rows[:, 0] if w.takes_tokens else rows
         with self.local.awake() if self.nodes else contextlib.nullcontext():  # alone: awake for the whole trip
             out = self.local.compute(r, inputs, msg.positions(), seq_id=msg.seq_ids())

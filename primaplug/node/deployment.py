@@ -54,7 +54,7 @@ class Deployment:
         gpu = [il for w in a.windows for il in range(w.start, w.start + w.gpu_layers)]
         context = ContextSettings(n_ctx=a.n_ctx, n_batch=a.n_batch, n_ubatch=a.n_ubatch, n_threads=a.n_threads,
                                   n_seq_max=a.n_seq_max, poll=BUSY_POLL, pin_threads=pin_threads,
-                                  n_rs_seq=a.n_rs_seq)
+                                  n_rs_seq=a.n_rs_seq, row_end=a.row_end)
         device = DeviceWindows.load(path, layout, ranges, context=context, memory=planned_room(memory, a.stream_room),
                                     gpu_layers=gpu, progress=progress, repack_in=copy)
         try:

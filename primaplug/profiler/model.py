@@ -195,6 +195,7 @@ def profile_model(layout: ModelLayout, *, n_ctx: int, n_batch: int, n_ubatch: in
         expert_token_share=layout.n_expert_used / layout.n_expert if layout.n_expert else 0.0,
         state_bytes_layer=round(sum(layout.cache_bytes(il, n_ctx) for il in range(n_layer) if layout.is_recurrent(il))
                                 / n_layer),
-        per_layer_input_bytes=4 * (layout.row_width(0) - layout.n_embd),
+        # the head keeps those of the shared-KV tail, which it runs (head/ring.py): the others travel
+        per_layer_input_bytes=4 * (layout.row_width(0, layout.n_layer - layout.kv_tail) - layout.n_embd),
         tail_layers=layout.kv_tail,
     )

@@ -93,6 +93,9 @@ class Assignment(msgspec.Struct, frozen=True):
     # chose from the ring's timing (scheduler/rooms.py); 0: the node's own rule (device/memory.py)
     stream_room: int = 0
     n_rs_seq: int = 0  # recurrent-state snapshots a sequence keeps, to forget a rejected draft (ContextSettings)
+    # per-layer inputs (Gemma 4 E2B/E4B): the rows carry those of the layers up to this one, the head keeping those of
+    # the layers it runs from there (ContextSettings.row_end); 0: every layer's
+    row_end: int = 0
 
     @property
     def n_ctx_seq(self) -> int:
