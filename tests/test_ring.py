@@ -129,6 +129,29 @@ def test_ring_matches_plain_llama(nodes, models, model: str, layers, rounds: int
         ring.close()
 
 
+def test_per_layer_inputs_travel_only_as_far_as_the_nodes_need_them(nodes, models) -> None:
+    """Gemma 4 E2B/E4B: the head's input window computes every layer's per-layer input, the rows that go round carry
+    those of the nodes' layers only (0-3 here), and the head puts back those of its own window (the shared-KV tail,
+    4-6), which it kept: nothing is left kept once the tokens are out, and they are plain's (the case above)."""
+    import primaplug
+    from primaplug.engine import read_layout
+
+    path = models["gemma4_e2b_7"]
+    layout = read_layout(path)
+    ring = primaplug.Llama(path, nodes=nodes.addresses, layers=(2, 1, 1, 3), node_threads=2, **LLAMA_KWARGS)
+    try:
+        driver = ring._batcher.ring
+        assert driver.keep_from == 4 and driver.entry is not None
+        widths: list[tuple[int, int]] = []
+        send = driver.send
+        driver.send = lambda msg, rows, what: (widths.append((msg.width, msg.per_layer)), send(msg, rows, what))[1]
+        ring.create_completion([5, 6, 7, 8, 9], max_tokens=4, temperature=0.0)
+        assert widths and set(widths) == {(layout.row_width(0, 4), 4 * layout.n_embd_per_layer)}
+        assert layout.row_width(0, 4) < layout.row_width(0) and not driver._kept
+    finally:
+        ring.close()
+
+
 def test_chat_completion_streams_the_same_text(nodes, models) -> None:
     import llama_cpp
 
