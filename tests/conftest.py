@@ -41,6 +41,7 @@ SYNTHETIC = [
     ("deepseek2-lite", 7, "Q8_0"),  # the same without q LoRA, softmax routing over all experts (DeepSeek-V2-Lite)
     ("deepseek32", 7, "Q4_K_M"),  # deepseek2 with V3.2's lightning indexer: each query attends to its top 16 keys
     ("glm-dsa", 7, "Q4_K_M"),  # GLM 5: the same indexer in every layer, its rotations of another kind
+    ("glm-5.2", 7, "Q4_K_M"),  # GLM 5.2: layers 3-5 attend to the keys layer 2's indexer chose
 ]
 
 
@@ -70,7 +71,7 @@ COMPUTE_BOUND = {
 SPLITS_IN_SLOW_RUNG = {"gpt-oss", "glm4moe", "gemma2", "olmo2", "phi3", "qwen35moe", "gemma4", "gemma4-e2b", "llama4",
                        "lfm2",
                        "deepseek2", "deepseek2-lite", "lfm2moe", "qwen3next", "minimax-m2",
-                       "kimi-linear", "deepseek32", "glm-dsa"}
+                       "kimi-linear", "deepseek32", "glm-dsa", "glm-5.2"}
 FAST_SPLIT = "output-on-head"
 
 

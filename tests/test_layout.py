@@ -100,9 +100,9 @@ def test_gemma4_per_layer_inputs_and_shared_kv_shape_rows_and_windows(tmp_path) 
     assert [layout.row_width(il) for il in (0, 2, 6)] == [8 + 24, 8 + 16, 8]
     assert [layout.kv_source(il) for il in range(6)] == [None] * 4 + [2, 3]  # sliding reads 2, global 3
     assert layout.kv_bytes_per_token(4) == layout.kv_bytes_per_token(5) == 0 < layout.kv_bytes_per_token(3)
-    layout.check_kv_sharing([LayerRange(0, 2), LayerRange(2, 6)])
+    layout.check_windows([LayerRange(0, 2), LayerRange(2, 6)])
     with pytest.raises(WindowRangeError, match="layer 4, which reads the keys and values of layer 2.*before layer 3"):
-        layout.check_kv_sharing([LayerRange(0, 3), LayerRange(3, 6)])
+        layout.check_windows([LayerRange(0, 3), LayerRange(3, 6)])
     assert INPUT not in units_for(layout, [0, 1], [], output=False)  # its rows come from the head
     assert INPUT in units_for(layout, [4, 5], [], output=True)
     assert {t.name for t in unit_tensors(layout, INPUT)} == {"token_embd.weight", "per_layer_token_embd.weight",
@@ -122,9 +122,9 @@ def test_latent_attention_caches_keys_only_and_routes_within_groups(model_dir) -
     assert (lite.expert_gating, lite.expert_groups) == ("softmax", 0)
 
 
-def test_glm5_runs_in_windows_where_every_layer_has_its_own_indexer(tmp_path) -> None:
-    """GLM 5.2's shared-indexer layers attend to the keys an earlier layer chose: refused, saying why; GLM 5 and 5.1
-    (an indexer in every layer: the file says so, or its context is under 1M tokens) run in windows."""
+def test_glm5_windows_start_at_any_layer_with_its_own_indexer(tmp_path) -> None:
+    """GLM 5 and 5.1 (an indexer in every layer: the file says so, or its context is under 1M tokens) start windows
+    anywhere; GLM 5.2's shared-indexer layers attend to the keys an earlier layer chose, and start none."""
     from gguf import GGUFWriter
 
     def layout(**keys: object):  # noqa: ANN202
@@ -143,8 +143,37 @@ def test_glm5_runs_in_windows_where_every_layer_has_its_own_indexer(tmp_path) ->
         w.close()
         return read_layout(path)
 
-    assert layout(context_length=202752).supports_windows
-    assert layout(**{"attention.indexer.types": [1, 1, 1, 1]}).supports_windows
+    assert layout(context_length=202752).barred_starts == ()
+    assert layout(**{"attention.indexer.types": [1, 1, 1, 1]}).barred_starts == ()
     shared = layout(**{"attention.indexer.types": [1, 1, 0, 0]})
-    assert not shared.supports_windows and "shared indexer (GLM 5.2)" in shared.unsupported_reason
-    assert not layout(context_length=1048576).supports_windows  # GLM 5.2's own pattern, where the file says none
+    assert shared.supports_windows and shared.barred_starts == (2, 3)
+    assert layout(context_length=1048576).barred_starts == (3,)  # GLM 5.2's own pattern, where the file says none
+
+
+def test_glm_5_2_windows_start_at_layers_with_their_own_indexer(tmp_path) -> None:
+    """GLM 5.2 without `indexer.types` (llama.cpp's default for a context of 1M tokens): an indexer of their own in
+    layers 0, 1 and every fourth from 2; a window starts at one of them, and an even split's boundaries move down to
+    one."""
+    import numpy as np
+    import pytest
+    from gguf import GGUFWriter
+
+    from primaplug.core import LayerRange, WindowRangeError
+
+    path = tmp_path / "glm-5.2-like.gguf"
+    w = GGUFWriter(str(path), "glm-dsa")
+    for key, value in (("block_count", 12), ("embedding_length", 8), ("attention.head_count", 1),
+                       ("context_length", 1048576)):
+        w.add_uint32(f"glm-dsa.{key}", value)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    layout = read_layout(path)
+    assert layout.supports_windows and layout.barred_starts == (3, 4, 5, 7, 8, 9, 11)
+    assert layout.snap_sizes([4, 4, 4]) == [2, 4, 6] and layout.snap_sizes([6, 6]) == [6, 6]
+    layout.check_windows([LayerRange(0, 2), LayerRange(2, 6), LayerRange(6, 12)])
+    with pytest.raises(WindowRangeError, match=r"starts at layer 4, which attends to the keys the indexer of layer 2 "
+                                               r"chose.*\(not 3-5, 7-9, 11\)"):
+        layout.check_windows([LayerRange(0, 4), LayerRange(4, 12)])

@@ -33,9 +33,11 @@ MAX_TOKENS = 10
 MOE = {"qwen3moe": "Q4_K_M", "gpt-oss": "MXFP4_MOE", "qwen35moe": "Q4_K_M", "deepseek2": "Q4_K_M",
        "lfm2moe": "Q4_K_M", "qwen3next": "Q4_K_M", "minimax-m2": "Q4_K_M",
        "kimi-linear": "Q4_K_M", "deepseek32": "Q4_K_M",
-       "glm-dsa": "Q4_K_M", "gemma4-e2b": "Q4_K_M"}  # the last dense: each request's rows with its per-layer inputs
-# the layers per node, then the head's (3, 3, 1 but where a model's shared-KV tail must be the last window's)
-IN_FLIGHT_LAYERS = {"gemma4-e2b": [2, 2, 3]}
+       "glm-dsa": "Q4_K_M", "glm-5.2": "Q4_K_M",
+       "gemma4-e2b": "Q4_K_M"}  # the last dense: each request's rows with its per-layer inputs
+# the layers per node, then the head's (3, 3, 1 but where a model's shared-KV tail must be the last window's, and
+# where GLM 5.2's windows must start at a layer with an indexer of its own)
+IN_FLIGHT_LAYERS = {"gemma4-e2b": [2, 2, 3], "glm-5.2": [2, 4, 1]}
 
 
 @pytest.fixture(scope="module")

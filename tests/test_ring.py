@@ -42,7 +42,8 @@ def models(model_dir: Path, gemma_path: Path) -> dict[str, Path]:
             "minimax_m2_7": synthetic_path(model_dir, "minimax-m2", 7, "Q4_K_M"),
             "kimi_linear_7": synthetic_path(model_dir, "kimi-linear", 7, "Q4_K_M"),
             "deepseek32_7": synthetic_path(model_dir, "deepseek32", 7, "Q4_K_M"),
-            "glm_dsa_7": synthetic_path(model_dir, "glm-dsa", 7, "Q4_K_M")}
+            "glm_dsa_7": synthetic_path(model_dir, "glm-dsa", 7, "Q4_K_M"),
+            "glm_5_2_7": synthetic_path(model_dir, "glm-5.2", 7, "Q4_K_M")}
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +102,7 @@ CASES = [  # model, layers per round (node, node, node[, head]) or None for an e
     ("kimi_linear_7", (2, 2, 2, 1), 1),  # each node a delta-attention layer and a latent one
     ("deepseek32_7", (2, 1, 3, 1), 1),  # sparse attention: each window's indexer keys on its own node
     ("glm_dsa_7", (1, 3, 2, 1), 1),
+    ("glm_5_2_7", (1, 1, 4, 1), 1),  # GLM 5.2: the window of layers 2-5 holds the indexer 3-5 share
 ]
 
 

@@ -211,3 +211,26 @@ def test_the_shared_kv_tail_is_the_heads_last_window(latency_model: str) -> None
     with pytest.raises(ValueError, match="last 22 layers share keys and values"):
         placement(devices, m, [10, 10, 15])
     assert placement(devices, m, [7, 6, 22]).head.w == 22
+
+
+def test_windows_start_only_where_they_may() -> None:
+    """GLM 5.2: a layer sharing an earlier layer's indexer cannot start a window. The ring's model plans around those
+    layers (every k whose rounds may start where they must); the paper's sum and the baselines, which cannot, say so;
+    a split by hand that starts a window there is refused."""
+    from primaplug.core.errors import PlacementInfeasibleError
+    from primaplug.scheduler import placement
+
+    barred = tuple(il for il in range(78) if il >= 2 and (il - 2) % 4)  # GLM 5.2's 78 layers
+    # no device holds the model alone, and none may stream it from its disk: the ring splits it three ways
+    devices = [device(name, ram_gb=2.0, disk=1e6, flops=f) for name, f in (("head", 1e11), ("a", 2e11), ("b", 3e11))]
+    m = model(78, layer_gb=0.05, barred_starts=barred)
+    plan = solve(devices, m, latency_model="ring")
+    starts = {r.start for d in plan.devices for r in d.windows if r.n_layers}
+    assert starts and not starts & set(barred) and len(starts) > 1
+    assert sum(d.w for d in plan.devices) * plan.k == 78
+    for kw in ({"latency_model": "paper"}, {"scheduler": "memory", "latency_model": "ring"}):
+        with pytest.raises(PlacementInfeasibleError, match="only Halda under the ring's latency model"):
+            solve(devices, m, **kw)
+    with pytest.raises(ValueError, match=r"starts a window at layer 20.*\(0, 1, 2, 6, 10, 14, ...\)"):
+        placement(devices, m, [20, 20, 38])
+    assert placement(devices, m, [22, 20, 36]).k == 1

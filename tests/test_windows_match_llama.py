@@ -21,12 +21,19 @@ N_STEPS = 32
 SETTINGS = ContextSettings(n_ctx=256, n_batch=64, n_ubatch=32)
 
 
-def partitions(n_layer: int, tail: int = 0) -> dict[str, tuple[list[LayerRange], bool]]:
+def partitions(n_layer: int, tail: int = 0, barred: tuple[int, ...] = ()) -> dict[str, tuple[list[LayerRange], bool]]:
     """The partitions of n_layer layers; with a shared-KV tail (ModelLayout.kv_tail), a boundary inside it moves to
     its first layer, so that those layers share the last window (Gemma 4 E2B/E4B: 7 layers, 3 of them in the tail,
-    make at most 5 windows)."""
+    make at most 5 windows); one at a barred start (ModelLayout.barred_starts, GLM 5.2) moves down to a layer a
+    window may start at."""
+    def snap(e: int) -> int:
+        e = min(e, n_layer - tail) if e < n_layer else e
+        while e in barred:
+            e -= 1
+        return e
+
     def cut(sizes: list[int]) -> list[LayerRange]:
-        ends = sorted({min(e, n_layer - tail) if e < n_layer else e for e in itertools.accumulate(sizes)} - {0})
+        ends = sorted({snap(e) for e in itertools.accumulate(sizes)} - {0})
         return [LayerRange(a, b) for a, b in zip([0, *ends], ends, strict=False)]
 
     six = even_split(n_layer, 6)  # device d: windows d and d+3
@@ -73,7 +80,7 @@ def assert_rows_close(expected: np.ndarray, got: np.ndarray, what: str) -> None:
 def test_split_model_matches_whole_model(test_model, partition: str) -> None:
     path = str(test_model.path)
     layout = read_layout(path)
-    windows, head_output = partitions(layout.n_layer, layout.kv_tail)[partition]
+    windows, head_output = partitions(layout.n_layer, layout.kv_tail, layout.barred_starts)[partition]
     want_tokens, want_rows = reference(path, test_model.prompt)
 
     with Model(path, windows) as model:

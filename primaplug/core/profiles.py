@@ -131,6 +131,8 @@ class ModelProfile(msgspec.Struct, frozen=True, kw_only=True):
     per_layer_input_bytes: int = 0
     # the last layers that must share one window, the head's last (Gemma 4's shared KV and the layers it reads)
     tail_layers: int = 0
+    # layers no window may start at (GLM 5.2's with a shared indexer: ModelLayout.barred_starts)
+    barred_starts: tuple[int, ...] = ()
 
     @property
     def hidden_bytes(self) -> int:

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import mmap
 import os
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -131,6 +132,8 @@ class ModelLayout:
     # layers from this one on hold no keys and values of their own: each reads those of the last layer of its kind
     # (sliding or global) before it (Gemma 4's shared KV, kv_source); n_layer: none share
     n_layer_kv_from_start: int = 0
+    # per layer: True where it reuses the keys an earlier layer's lightning indexer chose (GLM 5.2); empty: none
+    shared_indexer: tuple[bool, ...] = ()
 
     def row_width(self, layer: int, row_end: int = 0) -> int:
         """The floats of a hidden-state row entering `layer` (n_layer: the output layer's): n_embd, then the
@@ -158,10 +161,35 @@ class ModelLayout:
             return 0
         return self.n_layer - (self.n_layer_kv_from_start - 2)
 
-    def check_kv_sharing(self, windows: Iterable[LayerRange]) -> None:
-        """Raise WindowRangeError unless every layer that reads another layer's keys and values shares a window
-        with it: a window's cache holds its own layers only (a sliding-window model's windows keep a context each)."""
+    @property
+    def barred_starts(self) -> tuple[int, ...]:
+        """Layers no window may start at: GLM 5.2's with a shared indexer, which attend to the keys the last layer
+        with an indexer of its own chose (llama.cpp's prev_top_k), found only in the same window."""
+        return tuple(il for il, shared in enumerate(self.shared_indexer) if shared)
+
+    def snap_sizes(self, sizes: Sequence[int]) -> list[int]:
+        """Layers per device of one round (in ring order) with each boundary a barred start would take moved down to
+        the nearest layer a window may start at (a device may be left with none: a relay)."""
+        barred, ends, prev = set(self.barred_starts), [], 0
+        for end in itertools.accumulate(sizes):
+            while end > prev and end < self.n_layer and end in barred:
+                end -= 1
+            ends.append(max(end, prev))
+            prev = ends[-1]
+        return [b - a for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+
+    def check_windows(self, windows: Iterable[LayerRange]) -> None:
+        """Raise WindowRangeError unless every layer that reads what another layer computed shares a window with it:
+        Gemma 4's shared keys and values (a window's cache holds its own layers only: a sliding-window model's windows
+        keep a context each), GLM 5.2's shared indexers."""
+        barred = set(self.barred_starts)
         for w in windows:
+            if w.n_layers and w.start in barred:
+                start = max(il for il in range(w.start) if il not in barred)
+                raise WindowRangeError(
+                    f"window {w} starts at layer {w.start}, which attends to the keys the indexer of layer {start} "
+                    f"chose: a window of this {self.arch} starts at a layer with an indexer of its own "
+                    f"(not {spans(barred)})")
             for il in range(w.start, w.end):
                 src = self.kv_source(il)
                 if src is not None and src < w.start:
@@ -526,6 +554,7 @@ def _layout(
         keys_only_cache=bool(kv.get(f"{arch}.attention.key_length_mla")) and bool(
             kv.get(f"{arch}.attention.value_length_mla")),
         indexer_key_length=int(kv.get(f"{arch}.attention.indexer.key_length") or 0),
+        shared_indexer=tuple(not full for full in _full_indexers(kv, n_layer)) if arch == "glm-dsa" else (),
         n_embd_per_layer=int(kv.get(f"{arch}.embedding_length_per_layer_input") or 0),
         n_layer_kv_from_start=n_layer - int(kv.get(f"{arch}.attention.shared_kv_layers") or 0),
         **_routing(arch, kv, n_layer, vocab_size),
@@ -586,13 +615,27 @@ NOT_YET = {
 }
 
 
-def _every_layer_indexed(kv: dict[str, Any], n_layer: int) -> bool:
-    """Whether every layer of a GLM 5 model has its own lightning indexer (llama.cpp's glm-dsa.cpp: the file's
-    `indexer.types`, else all for a context under 1M tokens (GLM 5, 5.1), else GLM 5.2's pattern, which shares)."""
+def _full_indexers(kv: dict[str, Any], n_layer: int) -> list[bool]:
+    """Which layers of a GLM 5 model have a lightning indexer of their own (llama.cpp's glm-dsa.cpp: the file's
+    `indexer.types`, else all for a context under 1M tokens (GLM 5, 5.1), else GLM 5.2's pattern: the first two,
+    then every fourth from the third)."""
     types = kv.get("glm-dsa.attention.indexer.types")
-    if isinstance(types, list):
-        return all(int(t) for t in types[:n_layer])
-    return int(kv.get("glm-dsa.context_length") or 0) < 1048576
+    if isinstance(types, list) and len(types) >= n_layer:
+        return [bool(int(t)) for t in types[:n_layer]]
+    if int(kv.get("glm-dsa.context_length") or 0) < 1048576:
+        return [True] * n_layer
+    return [il < 2 or (il - 2) % 4 == 0 for il in range(n_layer)]
+
+
+def spans(layers: Iterable[int]) -> str:
+    """0-5, 9, 12-14: runs of consecutive layers."""
+    runs: list[list[int]] = []
+    for il in sorted(layers):
+        if runs and il == runs[-1][1] + 1:
+            runs[-1][1] = il
+        else:
+            runs.append([il, il])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 def _unsupported_reason(arch: str, kv: dict[str, Any], n_layer: int) -> str | None:
@@ -600,8 +643,4 @@ def _unsupported_reason(arch: str, kv: dict[str, Any], n_layer: int) -> str | No
     the engine refuses (llama_model_supports_windows)."""
     if arch in NOT_YET:
         return NOT_YET[arch] + "; run it with plain llama-cpp-python"
-    if arch == "glm-dsa" and not _every_layer_indexed(kv, n_layer):
-        return ("its layers with a shared indexer (GLM 5.2) attend to the keys that an earlier layer's indexer chose, "
-                "which a window starting between them does not have; GLM 5 and 5.1 (an indexer in every layer) run in "
-                "windows; run this one with plain llama-cpp-python")
     return None

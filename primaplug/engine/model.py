@@ -26,7 +26,7 @@ from primaplug.core.settings import RunSettings
 from primaplug.core.windows import LayerRange
 from primaplug.engine import _log, _native
 from primaplug.engine.affinity import on_cpu, pinned_cpus
-from primaplug.engine.layout import ModelLayout, read_layout
+from primaplug.engine.layout import ModelLayout, read_layout, spans
 from primaplug.engine.progress import LayerProgress, OnRoute
 from primaplug.engine.repacked import (
     CHUNK_BYTES,
@@ -124,17 +124,6 @@ def ggml_devices() -> tuple[tuple[str, ...], str | None]:
     return backends, None
 
 
-def _spans(layers: Iterable[int]) -> str:
-    """0-5, 9, 12-14: runs of consecutive layers."""
-    runs: list[list[int]] = []
-    for il in sorted(layers):
-        if runs and il == runs[-1][1] + 1:
-            runs[-1][1] = il
-        else:
-            runs.append([il, il])
-    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
-
-
 def gpu_problem() -> str:
     """"" when llama.cpp has a GPU for GPU layers; else why not, and what to do. Without one, llama.cpp itself runs
     a layer placed on the GPU on the CPU without a word (patches/0002: no device, the CPU's buffer types), from a
@@ -194,7 +183,7 @@ class Model:
         if not gpu <= self.layers:
             raise WindowRangeError(f"GPU layers {sorted(gpu - self.layers)} are not in this model's windows")
         if gpu and (problem := gpu_problem()):
-            raise EngineError(f"GPU layers {_spans(gpu)} asked for: {problem}")
+            raise EngineError(f"GPU layers {spans(gpu)} asked for: {problem}")
 
         cpu_layers = self.layers - gpu
         self.repack = repack
@@ -283,7 +272,7 @@ class Model:
         if start == end and not input_window and (end != n_layer or hidden):
             raise WindowRangeError(f"an empty window must be the output-only window [{n_layer}, {n_layer})"
                                    + (" or the input window [0, 0)" if self.layout.input_window else ""))
-        self.layout.check_kv_sharing([rng])
+        self.layout.check_windows([rng])
         self._check_loaded(rng)
         if not hidden and not self.output:
             raise WindowRangeError(f"window {rng} outputs logits, but this Model was loaded with output=False")

@@ -41,7 +41,10 @@ _LFM2_ARCHS = ("lfm2", "lfm2moe")
 # Gemma 4 E2B and E4B are dense, with a per-layer input to every layer and their last layers reading earlier
 # layers' keys and values
 VARIANTS = {"deepseek2-lite": {"arch": "deepseek2", "q_lora_rank": 0, "expert_groups": 0},
-            "gemma4-e2b": {"arch": "gemma4", "n_expert": 0, "n_embd_per_layer": 256, "n_kv_shared": 1}}
+            "gemma4-e2b": {"arch": "gemma4", "n_expert": 0, "n_embd_per_layer": 256, "n_kv_shared": 1},
+            # GLM 5.2: an indexer of their own in the first two layers and every fourth from the third; the layers
+            # between attend to the keys the last of them chose
+            "glm-5.2": {"arch": "glm-dsa", "shared_indexers": True}}
 SYNTH_NAMES = ARCHS + tuple(VARIANTS)
 # gated delta-net layers (recurrent state) with full attention every QWEN35_ATTENTION_INTERVAL-th layer (the real
 # models: every 4th; here every 3rd, so that 7 layers hold two attention layers); Qwen3-Next is their predecessor,
@@ -99,6 +102,8 @@ class SyntheticSpec:
     # no keys and values of their own (each reads the last layer of its kind before them)
     n_embd_per_layer: int = 0
     n_kv_shared: int = 0
+    # glm-dsa as GLM 5.2: layers with no indexer of their own (glm5_indexed)
+    shared_indexers: bool = False
 
     def out_scale(self, il: int) -> float:
         """How much layer il's outputs (attention output, FFN down) are scaled: deep_scale past shallow_layers."""
@@ -353,7 +358,8 @@ def _deepseek2_layer(spec: SyntheticSpec, il: int, mat: Callable[..., Maker], no
     yield p + "attn_k_b.weight", (h, kv, spec.mla_nope), experts(h, kv, spec.mla_nope)
     yield p + "attn_v_b.weight", (h, spec.mla_v, kv), experts(h, spec.mla_v, kv)
     yield p + "attn_output.weight", (e, h * spec.mla_v), mat(e, h * spec.mla_v, spec.out_scale(il))
-    if spec.arch in _INDEXER_ARCHS:  # V3.2's lightning indexer, which picks the keys each query attends to
+    if spec.arch in _INDEXER_ARCHS and (not spec.shared_indexers or glm5_indexed(il)):
+        # V3.2's lightning indexer, which picks the keys each query attends to
         n, w = _INDEXER_HEADS, _INDEXER_HEAD
         yield p + "indexer.k_norm.weight", (w,), norm(w)
         yield p + "indexer.k_norm.bias", (w,), bias(w)
@@ -415,6 +421,11 @@ def _kimi_linear_layer(spec: SyntheticSpec, il: int, mat: Callable[..., Maker], 
         yield from _dense_ffn(spec, p, mat)
     else:
         yield from _moe_ffn(spec, p, mat, experts, bias)
+
+
+def glm5_indexed(il: int) -> bool:
+    """GLM 5.2's layers with a lightning indexer of their own (llama.cpp's GLM_5_2_DEFAULT_INDEXER_TYPES)."""
+    return il < 2 or (il - 2) % 4 == 0
 
 
 def gemma4_sliding(il: int) -> bool:
@@ -584,6 +595,8 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
         w.add_uint32(f"{spec.arch}.attention.indexer.head_count", _INDEXER_HEADS)
         w.add_uint32(f"{spec.arch}.attention.indexer.key_length", _INDEXER_HEAD)
         w.add_uint32(f"{spec.arch}.attention.indexer.top_k", _INDEXER_TOP_K)
+        if spec.shared_indexers:
+            w.add_array(f"{spec.arch}.attention.indexer.types", [int(glm5_indexed(il)) for il in range(spec.n_layer)])
     if spec.arch in _DEEPSEEK_ARCHS:  # V3: sigmoid routing with a selection bias within groups; V2-Lite: softmax
         w.add_expert_shared_count(spec.n_expert_shared)
         w.add_leading_dense_block_count(spec.n_dense_lead)

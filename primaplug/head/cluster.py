@@ -263,6 +263,8 @@ class Cluster:
             sizes = [*even_split(n_layer - tail, len(self.nodes)), tail]
         else:
             sizes = even_split(n_layer // s.rounds, len(self.nodes))
+            if self.layout is not None and s.rounds == 1:  # windows start where they may (GLM 5.2)
+                sizes = self.layout.snap_sizes(sizes)
         if len(sizes) == len(self.nodes):
             sizes.append(0)  # the head runs only the output layer
         if len(sizes) != len(self.nodes) + 1:
@@ -288,9 +290,9 @@ class Cluster:
 
     def _check_windows(self) -> None:
         """Raise WindowRangeError, before any node loads, when a window would hold a layer that reads the keys and
-        values of a layer outside it (ModelLayout.check_kv_sharing)."""
+        values of a layer outside it (ModelLayout.check_windows)."""
         if self.layout is not None:
-            self.layout.check_kv_sharing([*self.head_ranges, *(r for rs in self.node_ranges for r in rs)])
+            self.layout.check_windows([*self.head_ranges, *(r for rs in self.node_ranges for r in rs)])
 
     # --- planning from measurements --------------------------------------------------------------------------
 

@@ -198,4 +198,5 @@ def profile_model(layout: ModelLayout, *, n_ctx: int, n_batch: int, n_ubatch: in
         # the head keeps those of the shared-KV tail, which it runs (head/ring.py): the others travel
         per_layer_input_bytes=4 * (layout.row_width(0, layout.n_layer - layout.kv_tail) - layout.n_embd),
         tail_layers=layout.kv_tail,
+        barred_starts=layout.barred_starts,
     )

@@ -87,6 +87,15 @@ class Platform:
     expert_bytes: int = 0  # of layer_bytes, a mixture of experts' routed experts (ModelProfile.layer_expert_bytes)
     expert_share: float = 0.0  # the share of them one token uses
     tail_layers: int = 0  # the head's last window holds at least these last layers (ModelProfile.tail_layers)
+    barred_starts: tuple[int, ...] = ()  # layers no window may start at (ModelProfile.barred_starts)
+
+    def boundaries_allowed(self, k: int) -> np.ndarray | None:
+        """For each t of 0..n_layer/k: whether a window may end t layers into every round of k (no barred start
+        at any of them); None when any may (no barred start), or when a round itself may not start where it must."""
+        if not self.barred_starts:
+            return None
+        per_round, barred = self.n_layer // k, set(self.barred_starts)
+        return np.array([all(r * per_round + t not in barred for r in range(k)) for t in range(per_round + 1)])
 
     @property
     def n_devices(self) -> int:
@@ -143,7 +152,7 @@ class Platform:
             names=tuple(self.names[i] for i in keep), n_layer=self.n_layer, t_out=self.t_out, m_head=self.m_head,
             layer_bytes=self.layer_bytes, layer_kv_bytes=self.layer_kv_bytes, head_extra=self.head_extra,
             lookup_bytes=self.lookup_bytes, expert_bytes=self.expert_bytes, expert_share=self.expert_share,
-            tail_layers=self.tail_layers, **arrays,
+            tail_layers=self.tail_layers, barred_starts=self.barred_starts, **arrays,
         )
 
 
@@ -221,6 +230,7 @@ def platform(
         vram_head=vram_head.astype(np.int64), vram_window=vram_window.astype(np.int64),
         layer_bytes=model.layer_bytes, layer_kv_bytes=bp, head_extra=head_extra, lookup_bytes=lookup,
         expert_bytes=model.layer_expert_bytes, expert_share=model.expert_token_share, tail_layers=model.tail_layers,
+        barred_starts=model.barred_starts,
     )
 
 

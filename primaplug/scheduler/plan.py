@@ -229,6 +229,12 @@ def build_plan(
     for pos, i in enumerate(ring_index):
         windows[i] = tuple(per_ring[pos])
     check_cover(execution_order(per_ring), p.n_layer)
+    barred = sorted({r.start for r in execution_order(per_ring) if r.n_layers} & set(p.barred_starts))
+    if barred:  # the ring model never plans these; the paper's sum and the baselines do not know them
+        may = [il for il in range(p.n_layer) if il not in set(p.barred_starts)]
+        raise ValueError(f"the {scheduler} placement starts a window at layer {barred[0]}, which attends to the keys "
+                         "an earlier layer's indexer chose (GLM 5.2): windows start at layers with an indexer of "
+                         f"their own ({', '.join(map(str, may[:6]))}{', ...' if len(may) > 6 else ''})")
     if sets is None:
         sets = tuple(SET_NAMES[s] for s in assign_sets(p, k, w, n))
     pred = predict(p, k, np.maximum(w, 1), n)  # memory use (the paper's) of a head with no layer: as with one

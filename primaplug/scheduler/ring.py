@@ -146,8 +146,9 @@ def best_placement(p: Platform, k: int, beat: float = np.inf, *, relays: bool = 
     layer per window, unless `relays`; the head may run none); None when none is finite or none is faster than
     `beat`. A relay (no layer) still passes the hidden state on, but its hop is not counted."""
     per_round = p.n_layer // k
-    if p.tail_layers > per_round:  # the last window, the head's, cannot hold the layers that must share one
-        return None
+    allowed = p.boundaries_allowed(k)  # where a window may end (GLM 5.2: not before a layer sharing an indexer)
+    if p.tail_layers > per_round or (allowed is not None and not allowed[0]):
+        return None  # the head's window cannot hold the shared-KV tail, or a round would start at a barred layer
     if p.n_devices == 1:  # the head alone runs every layer
         found = _placement(p, k, [per_round])
         return found if found is not None and np.isfinite(found.objective_s) and found.objective_s < beat else None
@@ -160,29 +161,43 @@ def best_placement(p: Platform, k: int, beat: float = np.inf, *, relays: bool = 
     chain[: p.tail_layers, 0] = np.inf  # the head holds the last layers that must share a window
     bad = ~np.isfinite(chain) | ~np.isfinite(own)
     chain[bad], own[bad] = np.inf, np.inf
+    # the dynamic program goes round the ring in its order (the nodes, then the head), where window boundaries fall
+    ring = [*range(1, p.n_devices), 0]
+    chain, own = chain[:, ring], own[:, ring]
+
+    def least(bound: float) -> tuple[float, list[int] | None]:
+        """The least chain within `bound`, and its w in device order (the head first)."""
+        value, w_ring = _least_ring_chain(chain, own, bound, per_round, allowed)
+        if w_ring is None:
+            return value, None
+        w = [0] * len(ring)
+        for pos, i in enumerate(ring):
+            w[i] = w_ring[pos]
+        return value, w
+
     # f(t) = max(t, least chain with every device's own time <= t) is least at the first bound t_i (a value
     # some own time takes) whose least chain is within it, or at t_(i-1), whose least chain is the objective.
     # The least chain never grows with t: bisection finds i.
-    floor, w_floor = _least_chain(chain, own, np.inf, per_round)
+    floor, w_floor = least(np.inf)
     if w_floor is None or floor >= beat:
         return None
     # the unbounded optimum's own times bound the search from above: there the chain is within its largest
-    top = float(own[w_floor, np.arange(p.n_devices)].max())
+    top = float(own[[w_floor[i] for i in ring], np.arange(p.n_devices)].max())
     if floor >= top:
         return _placement(p, k, w_floor)  # the chain is the objective and no bound lowers it
     bounds = np.sort(own[(own >= floor) & (own <= top)])  # below the unbounded least chain, none is within
     lo, hi = 0, bounds.size - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if _least_chain(chain, own, bounds[mid], per_round)[0] <= bounds[mid]:
+        if least(bounds[mid])[0] <= bounds[mid]:
             hi = mid
         else:
             lo = mid + 1
-    best_t, best_w = _least_chain(chain, own, bounds[lo], per_round)
+    best_t, best_w = least(bounds[lo])
     best_t = max(best_t, bounds[lo])
     lower = own[own < bounds[lo]]
     if lower.size:  # just below t_i, where the least chain exceeds the bound and is the objective
-        below, w_below = _least_chain(chain, own, float(lower.max()), per_round)
+        below, w_below = least(float(lower.max()))
         if below < best_t:
             best_w = w_below
     return _placement(p, k, best_w)
@@ -197,9 +212,10 @@ def _placement(p: Platform, k: int, w: list[int] | None) -> Solution | None:
     return Solution(k, tuple(int(x) for x in wv), tuple(int(x) for x in nv), total)
 
 
-def _least_chain(chain: np.ndarray, own: np.ndarray, bound: float, total: int) -> tuple[float, list[int] | None]:
+def _least_ring_chain(chain: np.ndarray, own: np.ndarray, bound: float, total: int,
+                      allowed: np.ndarray | None = None) -> tuple[float, list[int] | None]:
     """min sum_m chain[w_m, m] over sum_m w_m = total with own[w_m, m] <= bound, and the w that reach it (a
-    dynamic program over devices)."""
+    dynamic program over the devices in ring order); `allowed[t]`: whether a window may end t layers into a round."""
     cost = np.where(own <= bound, chain, np.inf)
     size = total + 1
     shift = np.arange(size)[:, None] - np.arange(size)[None, :]  # [t, w]: layers left for the devices before
@@ -207,6 +223,8 @@ def _least_chain(chain: np.ndarray, own: np.ndarray, bound: float, total: int) -
     best = np.append(cost[:, 0], np.inf)  # best[t]: least chain of the devices so far with t layers between them
     choices = []
     for m in range(1, cost.shape[1]):
+        if allowed is not None:
+            best[:size][~allowed] = np.inf  # no boundary after the devices so far at a barred start
         options = best[rows] + cost[:, m]
         pick = options.argmin(axis=1)
         best = np.append(options[np.arange(size), pick], np.inf)

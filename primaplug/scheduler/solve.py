@@ -60,6 +60,12 @@ def solve(
         raise ValueError(f"rounds must divide the model's {model.n_layer} layers, got {rounds}")
     if rounds not in (None, 1) and scheduler != "halda":
         raise ValueError(f"the {scheduler} scheduler plans one round; only halda takes rounds={rounds}")
+    if model.barred_starts and (scheduler != "halda" or latency_model != "ring"):
+        raise PlacementInfeasibleError(
+            f"{model.name}'s windows may not start at layers {', '.join(map(str, model.barred_starts[:6]))}... "
+            f"(they share an earlier layer's indexer, GLM 5.2), which only Halda under the ring's latency model plans "
+            f"for", advice="plan with scheduler='halda' and latency_model='ring' (the head's default), or split by "
+                           "hand")
     p = platform(devices, model, slow_disk_bps=slow_disk_bps)
     _check_capacity(p, slow_disk_bps)
     if scheduler == "halda":
