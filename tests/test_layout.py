@@ -74,28 +74,16 @@ def test_gemma4_per_layer_inputs_and_shared_kv_shape_rows_and_windows(tmp_path) 
     """Gemma 4 E2B/E4B: a row entering layer il carries n_embd values, then the per-layer inputs of the layers from
     il on; a layer with shared KV reads the last layer of its kind before the shared ones, which its window must
     hold; the head, not the node holding layer 0, reads the per-layer embeddings."""
-    import numpy as np
     import pytest
-    from gguf import GGUFWriter
 
     from primaplug.core import LayerRange, WindowRangeError
     from primaplug.engine.layout import INPUT, unit_tensors, units_for
 
-    path = tmp_path / "gemma4-e2b-like.gguf"
-    w = GGUFWriter(str(path), "gemma4")
-    for key, value in (("block_count", 6), ("embedding_length", 8), ("attention.head_count", 1),
-                       ("embedding_length_per_layer_input", 4), ("attention.shared_kv_layers", 2),
-                       ("attention.sliding_window", 32)):
-        w.add_uint32(f"gemma4.{key}", value)
-    w.add_array("gemma4.attention.sliding_window_pattern", [True, True, True, False, True, False])
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    w.add_tensor("per_layer_token_embd.weight", np.zeros((4, 24), dtype=np.float32))
-    w.add_tensor("per_layer_model_proj.weight", np.zeros((24, 8), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    layout = read_layout(path)
+    layout = _header_only(tmp_path / "gemma4-e2b-like.gguf", "gemma4", {
+        "block_count": 6, "embedding_length": 8, "attention.head_count": 1, "embedding_length_per_layer_input": 4,
+        "attention.shared_kv_layers": 2, "attention.sliding_window": 32,
+        "attention.sliding_window_pattern": [True, True, True, False, True, False]},
+        {"token_embd.weight": (4, 8), "per_layer_token_embd.weight": (4, 24), "per_layer_model_proj.weight": (24, 8)})
     assert layout.supports_windows and layout.input_window
     assert [layout.row_width(il) for il in (0, 2, 6)] == [8 + 24, 8 + 16, 8]
     assert [layout.kv_source(il) for il in range(6)] == [None] * 4 + [2, 3]  # sliding reads 2, global 3
@@ -154,26 +142,33 @@ def test_glm_5_2_windows_start_at_layers_with_their_own_indexer(tmp_path) -> Non
     """GLM 5.2 without `indexer.types` (llama.cpp's default for a context of 1M tokens): an indexer of their own in
     layers 0, 1 and every fourth from 2; a window starts at one of them, and an even split's boundaries move down to
     one."""
-    import numpy as np
     import pytest
-    from gguf import GGUFWriter
 
     from primaplug.core import LayerRange, WindowRangeError
 
-    path = tmp_path / "glm-5.2-like.gguf"
-    w = GGUFWriter(str(path), "glm-dsa")
-    for key, value in (("block_count", 12), ("embedding_length", 8), ("attention.head_count", 1),
-                       ("context_length", 1048576)):
-        w.add_uint32(f"glm-dsa.{key}", value)
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    layout = read_layout(path)
+    layout = _header_only(tmp_path / "glm-5.2-like.gguf", "glm-dsa", {
+        "block_count": 12, "embedding_length": 8, "attention.head_count": 1, "context_length": 1048576},
+        {"token_embd.weight": (4, 8)})
     assert layout.supports_windows and layout.barred_starts == (3, 4, 5, 7, 8, 9, 11)
     assert layout.snap_sizes([4, 4, 4]) == [2, 4, 6] and layout.snap_sizes([6, 6]) == [6, 6]
     layout.check_windows([LayerRange(0, 2), LayerRange(2, 6), LayerRange(6, 12)])
     with pytest.raises(WindowRangeError, match=r"starts at layer 4, which attends to the keys the indexer of layer 2 "
                                                r"chose.*\(not 3-5, 7-9, 11\)"):
         layout.check_windows([LayerRange(0, 4), LayerRange(4, 12)])
+
+
+def _header_only(path, arch: str, keys: dict, tensors: dict):  # noqa: ANN001, ANN202
+    """A GGUF of `arch` with these metadata keys (integers, or arrays) and zero tensors of these shapes, read back."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), arch)
+    for key, value in keys.items():
+        w.add_array(f"{arch}.{key}", value) if isinstance(value, list) else w.add_uint32(f"{arch}.{key}", value)
+    for name, shape in tensors.items():
+        w.add_tensor(name, np.zeros(shape, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return read_layout(path)
