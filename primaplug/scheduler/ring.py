@@ -161,8 +161,9 @@ def best_placement(p: Platform, k: int, beat: float = np.inf, *, relays: bool = 
     chain[: p.tail_layers, 0] = np.inf  # the head holds the last layers that must share a window
     bad = ~np.isfinite(chain) | ~np.isfinite(own)
     chain[bad], own[bad] = np.inf, np.inf
-    # the dynamic program goes round the ring in its order (the nodes, then the head), where window boundaries fall
-    ring = [*range(1, p.n_devices), 0]
+    # where windows may end matters (GLM 5.2), the dynamic program goes round the ring in its order (the nodes, then
+    # the head); elsewhere the head first, as before (the order only breaks ties between equal placements)
+    ring = [*range(1, p.n_devices), 0] if allowed is not None else list(range(p.n_devices))
     chain, own = chain[:, ring], own[:, ring]
 
     def least(bound: float) -> tuple[float, list[int] | None]:
