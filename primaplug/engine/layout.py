@@ -610,8 +610,9 @@ def _recurrence(arch: str, kv: dict[str, Any], n_layer: int, n_head_kv: tuple[in
 
 # architectures the engine's llama.cpp runs but windows do not split yet, and what they would need (docs/engine.md)
 NOT_YET = {
-    "deepseek4": "its hyper-connections carry a hidden state several times n_embd wide from layer to layer, wider than "
-                 "the ring's messages, which carry n_embd values a row",
+    "deepseek4": "its hyper-connections carry a hidden state several times n_embd wide from layer to layer, and its "
+                 "graph and its own cache (llama.cpp's llama_kv_cache_dsv4: compressed keys, per-layer compression "
+                 "states) are not split into windows yet",
 }
 
 
