@@ -74,6 +74,32 @@ def test_kv_cache_holds_only_the_window_layers(model_dir, arch: str, n_layer: in
     assert 0 <= sa - per_layer * a < per_layer
 
 
+def test_gemma4_shared_kv_layers_cache_nothing(model_dir) -> None:
+    """Gemma 4 E2B/E4B: a sliding layer caches its narrower heads, a global one its wider single head, and a layer that
+    reads an earlier layer's keys and values caches none, as the layout counts them (ModelLayout.kv_bytes_per_token),
+    in each window's state as llama.cpp saves it: three windows give a header and a per-layer record that fit all."""
+    path = synthetic_path(model_dir, "gemma4-e2b", 7, "Q4_K_M")
+    layout = read_layout(path)
+    kv = [layout.kv_bytes_per_token(il) for il in range(7)]
+    assert kv[6] == 0 < kv[2] and kv[0] > 0  # layer 6 reads layer 4's; layer 2 is global, 0 sliding
+    n_tokens = 30  # within the sliding window (32): the sliding layers' caches keep every token too
+    prompt = np.random.default_rng(1).integers(3, layout.n_vocab, size=n_tokens)
+    windows = [LayerRange(0, 1), LayerRange(1, 4), LayerRange(4, 7)]
+    with Model(path, windows) as model:
+        hidden = model.window(0, 0, output_hidden=True, settings=SETTINGS).forward(prompt, 0)  # the input window
+        sizes = []
+        for rng in windows:
+            w = model.window(rng.start, rng.end, output_hidden=True, settings=SETTINGS)
+            hidden = w.forward(hidden, 0)
+            sizes.append(w.state_bytes(0))
+    held = [sum(n_tokens * kv[il] for il in range(r.start, r.end)) for r in windows]
+    records = [sum(1 for il in range(r.start, r.end) if kv[il]) for r in windows]  # layers with a cache of their own
+    record = (sizes[1] - held[1] - sizes[0] + held[0]) // (records[1] - records[0])
+    header = sizes[0] - held[0] - record * records[0]
+    assert 0 <= record < 64 and header >= 0, (sizes, held)
+    assert sizes[2] == header + held[2] + record * records[2], (sizes, held)  # layer 6 adds nothing
+
+
 def _anon_bytes() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
