@@ -15,26 +15,24 @@ import numpy as np
 import pytest
 
 from primaplug.core import LayerRange, even_split
-from primaplug.engine import ContextSettings, Model, WindowChain, read_layout
+from primaplug.engine import ContextSettings, Model, ModelLayout, WindowChain, read_layout
 
 N_STEPS = 32
 SETTINGS = ContextSettings(n_ctx=256, n_batch=64, n_ubatch=32)
 
 
-def partitions(n_layer: int, tail: int = 0, barred: tuple[int, ...] = ()) -> dict[str, tuple[list[LayerRange], bool]]:
-    """The partitions of n_layer layers; with a shared-KV tail (ModelLayout.kv_tail), a boundary inside it moves to
-    its first layer, so that those layers share the last window (Gemma 4 E2B/E4B: 7 layers, 3 of them in the tail,
-    make at most 5 windows); one at a barred start (ModelLayout.barred_starts, GLM 5.2) moves down to a layer a
-    window may start at."""
-    def snap(e: int) -> int:
-        e = min(e, n_layer - tail) if e < n_layer else e
-        while e in barred:
-            e -= 1
-        return e
+def partitions(layout: ModelLayout) -> dict[str, tuple[list[LayerRange], bool]]:
+    """The partitions of the model's layers; with a shared-KV tail (ModelLayout.kv_tail), a boundary inside it moves
+    to its first layer, so that those layers share the last window (Gemma 4 E2B/E4B: 7 layers, 3 of them in the tail,
+    make at most 5 windows); one at a barred start (GLM 5.2) moves down to a layer a window may start at
+    (ModelLayout.snap_sizes)."""
+    n_layer, tail = layout.n_layer, layout.kv_tail
 
     def cut(sizes: list[int]) -> list[LayerRange]:
-        ends = sorted({snap(e) for e in itertools.accumulate(sizes)} - {0})
-        return [LayerRange(a, b) for a, b in zip([0, *ends], ends, strict=False)]
+        ends = sorted({min(e, n_layer - tail) if e < n_layer else e for e in itertools.accumulate(sizes)} - {0})
+        snapped = layout.snap_sizes([b - a for a, b in zip([0, *ends], ends, strict=False)])
+        starts = [0, *itertools.accumulate(snapped)]
+        return [LayerRange(a, a + n) for a, n in zip(starts, snapped, strict=False) if n]
 
     six = even_split(n_layer, 6)  # device d: windows d and d+3
     uneven = [1, n_layer - 4, 3]
@@ -80,7 +78,7 @@ def assert_rows_close(expected: np.ndarray, got: np.ndarray, what: str) -> None:
 def test_split_model_matches_whole_model(test_model, partition: str) -> None:
     path = str(test_model.path)
     layout = read_layout(path)
-    windows, head_output = partitions(layout.n_layer, layout.kv_tail, layout.barred_starts)[partition]
+    windows, head_output = partitions(layout)[partition]
     want_tokens, want_rows = reference(path, test_model.prompt)
 
     with Model(path, windows) as model:

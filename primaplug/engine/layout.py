@@ -550,7 +550,7 @@ def _layout(
         n_expert=int(kv.get(f"{arch}.expert_count") or 0), n_expert_used=int(kv.get(f"{arch}.expert_used_count") or 0),
         n_layer_nextn=n_layer_nextn,
         head_dim_k_swa=int(swa_k) if swa_k else None, head_dim_v_swa=int(swa_v) if swa_v else None,
-        unsupported_reason=_unsupported_reason(arch, kv, n_layer),
+        unsupported_reason=NOT_YET[arch] + "; run it with plain llama-cpp-python" if arch in NOT_YET else None,
         keys_only_cache=bool(kv.get(f"{arch}.attention.key_length_mla")) and bool(
             kv.get(f"{arch}.attention.value_length_mla")),
         indexer_key_length=int(kv.get(f"{arch}.attention.indexer.key_length") or 0),
@@ -618,14 +618,19 @@ NOT_YET = {
 
 def _full_indexers(kv: dict[str, Any], n_layer: int) -> list[bool]:
     """Which layers of a GLM 5 model have a lightning indexer of their own (llama.cpp's glm-dsa.cpp: the file's
-    `indexer.types`, else all for a context under 1M tokens (GLM 5, 5.1), else GLM 5.2's pattern: the first two,
-    then every fourth from the third)."""
+    `indexer.types`, else all for a context under 1M tokens (GLM 5, 5.1), else GLM 5.2's pattern)."""
     types = kv.get("glm-dsa.attention.indexer.types")
     if isinstance(types, list) and len(types) >= n_layer:
         return [bool(int(t)) for t in types[:n_layer]]
     if int(kv.get("glm-dsa.context_length") or 0) < 1048576:
         return [True] * n_layer
-    return [il < 2 or (il - 2) % 4 == 0 for il in range(n_layer)]
+    return [glm5_2_own_indexer(il) for il in range(n_layer)]
+
+
+def glm5_2_own_indexer(il: int) -> bool:
+    """Whether layer il of GLM 5.2 has a lightning indexer of its own (llama.cpp's GLM_5_2_DEFAULT_INDEXER_TYPES):
+    the first two layers, then every fourth from the third."""
+    return il < 2 or (il - 2) % 4 == 0
 
 
 def spans(layers: Iterable[int]) -> str:
@@ -638,10 +643,3 @@ def spans(layers: Iterable[int]) -> str:
             runs.append([il, il])
     return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
-
-def _unsupported_reason(arch: str, kv: dict[str, Any], n_layer: int) -> str | None:
-    """What keeps a model out of windows: an architecture of NOT_YET, or a model of a supported architecture that
-    the engine refuses (llama_model_supports_windows)."""
-    if arch in NOT_YET:
-        return NOT_YET[arch] + "; run it with plain llama-cpp-python"
-    return None

@@ -18,6 +18,7 @@ import numpy as np
 from gguf import ExpertGatingFuncType, GGUFWriter
 
 from primaplug.core.errors import EngineError, ModelFormatError
+from primaplug.engine.layout import glm5_2_own_indexer
 
 # llama_ftype values of llama.h (MXFP4_MOE: experts in MXFP4, as gpt-oss ships; the rest Q8_0)
 FTYPES = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K_M": 15, "Q4_K_S": 14, "Q5_K_M": 17, "Q6_K": 18, "MXFP4_MOE": 38}
@@ -102,7 +103,7 @@ class SyntheticSpec:
     # no keys and values of their own (each reads the last layer of its kind before them)
     n_embd_per_layer: int = 0
     n_kv_shared: int = 0
-    # glm-dsa as GLM 5.2: layers with no indexer of their own (glm5_indexed)
+    # glm-dsa as GLM 5.2: layers with no indexer of their own (glm5_2_own_indexer)
     shared_indexers: bool = False
 
     def out_scale(self, il: int) -> float:
@@ -358,7 +359,7 @@ def _deepseek2_layer(spec: SyntheticSpec, il: int, mat: Callable[..., Maker], no
     yield p + "attn_k_b.weight", (h, kv, spec.mla_nope), experts(h, kv, spec.mla_nope)
     yield p + "attn_v_b.weight", (h, spec.mla_v, kv), experts(h, spec.mla_v, kv)
     yield p + "attn_output.weight", (e, h * spec.mla_v), mat(e, h * spec.mla_v, spec.out_scale(il))
-    if spec.arch in _INDEXER_ARCHS and (not spec.shared_indexers or glm5_indexed(il)):
+    if spec.arch in _INDEXER_ARCHS and (not spec.shared_indexers or glm5_2_own_indexer(il)):
         # V3.2's lightning indexer, which picks the keys each query attends to
         n, w = _INDEXER_HEADS, _INDEXER_HEAD
         yield p + "indexer.k_norm.weight", (w,), norm(w)
@@ -421,11 +422,6 @@ def _kimi_linear_layer(spec: SyntheticSpec, il: int, mat: Callable[..., Maker], 
         yield from _dense_ffn(spec, p, mat)
     else:
         yield from _moe_ffn(spec, p, mat, experts, bias)
-
-
-def glm5_indexed(il: int) -> bool:
-    """GLM 5.2's layers with a lightning indexer of their own (llama.cpp's GLM_5_2_DEFAULT_INDEXER_TYPES)."""
-    return il < 2 or (il - 2) % 4 == 0
 
 
 def gemma4_sliding(il: int) -> bool:
@@ -596,7 +592,8 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
         w.add_uint32(f"{spec.arch}.attention.indexer.key_length", _INDEXER_HEAD)
         w.add_uint32(f"{spec.arch}.attention.indexer.top_k", _INDEXER_TOP_K)
         if spec.shared_indexers:
-            w.add_array(f"{spec.arch}.attention.indexer.types", [int(glm5_indexed(il)) for il in range(spec.n_layer)])
+            w.add_array(f"{spec.arch}.attention.indexer.types",
+                        [int(glm5_2_own_indexer(il)) for il in range(spec.n_layer)])
     if spec.arch in _DEEPSEEK_ARCHS:  # V3: sigmoid routing with a selection bias within groups; V2-Lite: softmax
         w.add_expert_shared_count(spec.n_expert_shared)
         w.add_leading_dense_block_count(spec.n_dense_lead)

@@ -289,8 +289,9 @@ class Cluster:
         return last.start
 
     def _check_windows(self) -> None:
-        """Raise WindowRangeError, before any node loads, when a window would hold a layer that reads the keys and
-        values of a layer outside it (ModelLayout.check_windows)."""
+        """Raise WindowRangeError, before any node loads, when a window would hold a layer that reads what one
+        outside it computed: its keys and values (Gemma 4) or its indexer's choice (GLM 5.2); see
+        ModelLayout.check_windows."""
         if self.layout is not None:
             self.layout.check_windows([*self.head_ranges, *(r for rs in self.node_ranges for r in rs)])
 
