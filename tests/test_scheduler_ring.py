@@ -234,3 +234,21 @@ def test_windows_start_only_where_they_may() -> None:
     with pytest.raises(ValueError, match=r"starts a window at layer 20.*\(0, 1, 2, 6, 10, 14, ...\)"):
         placement(devices, m, [20, 20, 38])
     assert placement(devices, m, [22, 20, 36]).k == 1
+
+
+def test_an_even_split_leaves_the_tail_to_the_head_and_starts_windows_where_they_may() -> None:
+    """The even split by hand (the CLI's `--scheduler even` and the dashboard's, one rule): Gemma 4 E2B's shared-KV
+    tail to the head, the rest evenly to the nodes; GLM 5.2's boundaries moved down to layers with their own
+    indexer. What it gives is a placement the scorer takes."""
+    from primaplug.core.windows import even_sizes
+    from primaplug.scheduler import placement
+
+    assert even_sizes(7, 2) == [3, 4, 0]
+    assert even_sizes(35, 2, tail=22) == [6, 7, 22]
+    assert even_sizes(36, 2, rounds=2, tail=22) == [9, 9, 0]  # two rounds cannot leave it to the head: refused later
+    barred = tuple(il for il in range(78) if il >= 2 and (il - 2) % 4)  # GLM 5.2's 78 layers
+    assert even_sizes(78, 3, barred=barred) == [26, 24, 28, 0]
+    devices = [device(name, ram_gb=8) for name in ("head", "a", "b")]
+    assert placement(devices, model(35, layer_gb=0.05, tail_layers=22), even_sizes(35, 2, tail=22)).head.w == 22
+    assert placement(devices[:3], model(78, layer_gb=0.05, barred_starts=barred),
+                     even_sizes(78, 2, barred=barred)).k == 1

@@ -7,6 +7,7 @@ device comes last in the ring, so the model's final layer lands on it (prima.cpp
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,6 +50,29 @@ def even_split(n_layer: int, n_parts: int) -> list[int]:
         raise WindowRangeError(f"cannot split {n_layer} layers into {n_parts} non-empty parts")
     base, extra = divmod(n_layer, n_parts)
     return [base + (1 if i >= n_parts - extra else 0) for i in range(n_parts)]
+
+
+def snap_sizes(sizes: Sequence[int], n_layer: int, barred: Sequence[int] = ()) -> list[int]:
+    """Layers per device of one round (in ring order) with each boundary a barred start would take (a layer no window
+    may start at: GLM 5.2's sharing an indexer) moved down to the nearest layer a window may start at (a device may
+    be left with none: a relay)."""
+    barred_set, ends, prev = set(barred), [], 0
+    for end in itertools.accumulate(sizes):
+        while end > prev and end < n_layer and end in barred_set:
+            end -= 1
+        ends.append(max(end, prev))
+        prev = ends[-1]
+    return [b - a for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+
+
+def even_sizes(n_layer: int, n_nodes: int, rounds: int = 1, tail: int = 0, barred: Sequence[int] = ()) -> list[int]:
+    """An even split by hand: each node's layers per round, then the head's (0: the output layer only). The last
+    `tail` layers, which must share one window (Gemma 4's shared KV), go to the head, the others evenly to the
+    nodes; with one round, no window starts at a barred layer (snap_sizes)."""
+    if tail and rounds == 1 and n_layer - tail >= n_nodes:
+        return [*even_split(n_layer - tail, n_nodes), tail]
+    sizes = even_split(n_layer // rounds, n_nodes)
+    return [*(snap_sizes(sizes, n_layer, barred) if rounds == 1 else sizes), 0]
 
 
 def ring_windows(sizes: Sequence[int], rounds: int, n_layer: int) -> list[list[LayerRange]]:

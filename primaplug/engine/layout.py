@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import mmap
 import os
 import re
@@ -26,7 +25,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from primaplug.core.errors import ModelFormatError, UnsupportedArchitectureError, WindowRangeError
-from primaplug.core.windows import LayerRange
+from primaplug.core.windows import LayerRange, snap_sizes
 
 # Architectures whose graphs the patch (patches/0001) can split into windows; must match
 # llama_window_supported_archs() in the engine (a test checks it).
@@ -168,15 +167,8 @@ class ModelLayout:
         return tuple(il for il, shared in enumerate(self.shared_indexer) if shared)
 
     def snap_sizes(self, sizes: Sequence[int]) -> list[int]:
-        """Layers per device of one round (in ring order) with each boundary a barred start would take moved down to
-        the nearest layer a window may start at (a device may be left with none: a relay)."""
-        barred, ends, prev = set(self.barred_starts), [], 0
-        for end in itertools.accumulate(sizes):
-            while end > prev and end < self.n_layer and end in barred:
-                end -= 1
-            ends.append(max(end, prev))
-            prev = ends[-1]
-        return [b - a for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+        """Layers per device of one round with no window starting at a barred start (core.windows.snap_sizes)."""
+        return snap_sizes(sizes, self.n_layer, self.barred_starts)
 
     def check_windows(self, windows: Iterable[LayerRange]) -> None:
         """Raise WindowRangeError unless every layer that reads what another layer computed shares a window with it:

@@ -22,7 +22,7 @@ import numpy as np
 from primaplug.core.errors import ConfigError, NodeError, NodeHeldError, NodeUnavailableError, ProtocolError
 from primaplug.core.profiles import DeviceProfile
 from primaplug.core.settings import LOAD_TIMEOUT_S, RunSettings
-from primaplug.core.windows import LayerRange, even_split, execution_order, ring_windows
+from primaplug.core.windows import LayerRange, even_sizes, execution_order, ring_windows
 from primaplug.device import DeviceWindows
 from primaplug.engine import ModelLayout
 from primaplug.head.embedding import EmbeddingRows
@@ -255,16 +255,9 @@ class Cluster:
             self.head_gpu = s.head_gpu_layers
             self._check_windows()
             return
-        tail = self.layout.kv_tail if self.layout is not None else 0
-        if s.layers:
-            sizes = list(s.layers)
-        elif tail and s.rounds == 1 and n_layer - tail >= len(self.nodes):
-            # the layers that share keys and values go to the head, the others evenly to the nodes
-            sizes = [*even_split(n_layer - tail, len(self.nodes)), tail]
-        else:
-            sizes = even_split(n_layer // s.rounds, len(self.nodes))
-            if self.layout is not None and s.rounds == 1:  # windows start where they may (GLM 5.2)
-                sizes = self.layout.snap_sizes(sizes)
+        lay = self.layout
+        sizes = list(s.layers) if s.layers else even_sizes(
+            n_layer, len(self.nodes), s.rounds, lay.kv_tail if lay else 0, lay.barred_starts if lay else ())
         if len(sizes) == len(self.nodes):
             sizes.append(0)  # the head runs only the output layer
         if len(sizes) != len(self.nodes) + 1:

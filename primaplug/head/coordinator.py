@@ -24,7 +24,7 @@ import msgspec
 from primaplug.core.errors import ConfigError, NodeError, NodeHeldError, NodeUnavailableError, PrimaplugError
 from primaplug.core.profiles import DeviceProfile
 from primaplug.core.settings import DRAFT_MAX, DRAFT_MIN, RunSettings
-from primaplug.core.windows import even_split
+from primaplug.core.windows import even_sizes
 from primaplug.decoding import check_draft_length
 from primaplug.engine import ModelLayout, read_layout
 from primaplug.head.cluster import Cluster, ClusterSettings, can_run, describe_device, held_models, unique_names
@@ -283,7 +283,7 @@ class Coordinator:
                             raise ConfigError("an even split needs at least one node")
                         if m.model.n_layer % k:
                             raise ConfigError(f"the rounds must divide the model's {m.model.n_layer} layers, got {k}")
-                        sizes = even_split(m.model.n_layer // k, nodes)
+                        sizes = even_sizes(m.model.n_layer, nodes, k, m.model.tail_layers, m.model.barred_starts)
                     else:
                         sizes = list(request.layers)
                     gpu = [request.gpu_layers] * nodes

@@ -20,7 +20,8 @@ HINTS = {
     "halda": "Halda: profiles, links and prima.cpp's scheduler; drops devices that would slow the ring",
     "memory": "exo's rule: layers in proportion to each device's memory (one round)",
     "compute": "Galaxy's rule: layers in proportion to compute speed (one round)",
-    "even": "the same number of layers on every node, the head runs only the output layer",
+    "even": "the same number of layers on every node, the head runs only the output layer (and the last layers "
+            "where they share keys and values)",
     "manual": "a split typed in: layers per round of each node in ring order, then optionally the head's",
 }
 
