@@ -10,6 +10,7 @@ import ctypes
 import os
 import platform
 import sys
+from collections.abc import Collection
 
 import llama_cpp
 from llama_cpp import llama_cpp as _ll
@@ -67,6 +68,8 @@ llama_model_repacked_tensors = _bind(
     [_ll.llama_model_p_ctypes, llama_repacked_tensor_callback, ctypes.c_void_p],
     ctypes.c_int32,
 )
+# LLAMA_API void llama_set_repack_only(const char * const * names, size_t n_names);  (patches/0024)
+llama_set_repack_only = _bind("llama_set_repack_only", [ctypes.POINTER(ctypes.c_char_p), ctypes.c_size_t], None)
 # LLAMA_API struct llama_context * llama_init_window_from_model(
 #                  struct llama_model * model,
 #         struct llama_context_params   params,
@@ -149,9 +152,11 @@ _ggml_base = _sibling("ggml-base")
 _ggml_cpu = _sibling("ggml-cpu")
 
 
-def load_for_windows(path: str, placement: ctypes.Array[ctypes.c_uint8], *, repack: bool, purpose: str) -> int:
-    """llama_model_load_for_windows on the file mapping (repack: llama.cpp's use_extra_bufts); raises EngineError
-    with llama.cpp's own reason. `purpose` completes "could not load PATH ..."."""
+def load_for_windows(path: str, placement: ctypes.Array[ctypes.c_uint8], *, repack: bool, purpose: str,
+                     repack_only: Collection[str] | None = None) -> int:
+    """llama_model_load_for_windows on the file mapping (repack: llama.cpp's use_extra_bufts; repack_only: of the
+    weights it would repack, only these, the others left mapped); raises EngineError with llama.cpp's own reason.
+    `purpose` completes "could not load PATH ..."."""
     from primaplug.engine import _log
 
     _log.install()
@@ -159,7 +164,15 @@ def load_for_windows(path: str, placement: ctypes.Array[ctypes.c_uint8], *, repa
     params = _ll.llama_model_default_params()
     params.use_extra_bufts = repack
     params.load_mode = _ll.LLAMA_LOAD_MODE_MMAP
-    ptr = llama_model_load_for_windows(path.encode(), params, placement, len(placement))
+    if repack_only is None:
+        ptr = llama_model_load_for_windows(path.encode(), params, placement, len(placement))
+    else:
+        names = (ctypes.c_char_p * max(len(repack_only), 1))(*(n.encode() for n in repack_only))
+        llama_set_repack_only(names, len(repack_only))
+        try:
+            ptr = llama_model_load_for_windows(path.encode(), params, placement, len(placement))
+        finally:
+            llama_set_repack_only(None, 0)
     if not ptr:
         raise EngineError(f"could not load {path} {purpose}: {_log.take_errors() or 'see the log'}")
     return ptr

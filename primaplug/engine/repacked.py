@@ -20,7 +20,10 @@ own (`-gpu<hash>` in its name), in which those layers are raw and every other la
 layers uses the plain one.
 
 The repacked bytes come from llama.cpp itself: the missing layers are loaded with repacking on, a few hundred MB
-at a time, and every weight it repacked is written out (llama_model_repacked_tensors). So the choice of which
+at a time, and every weight it repacked is written out (llama_model_repacked_tensors). llama.cpp holds what it
+repacks in anonymous memory, so a layer larger than that (a mixture of experts') is loaded once per part of its
+weights, llama.cpp told to repack only that part (patches/0024): a build holds at most about `chunk_bytes`, or the
+largest weight where one is larger. So the choice of which
 tensors repack, and how, stays llama.cpp's, on this CPU and this build. The copy is named by the model's identity
 and by the engine (the CPU backend library and the CPU features it saw), so another build or CPU writes its own.
 
@@ -156,6 +159,9 @@ def repack_in_place(layout: ModelLayout, forms: RepackedForms, cpu_layers: Itera
     units = units_for(layout, cpu_layers, gpu_layers, output)
     fd = os.open(layout.path, os.O_RDWR)
     built = 0
+    # a unit in parts holds the lock from its first part's writes to its record (the lock is reentrant):
+    # until then its bytes are part repacked, part the file's, and nothing says which
+    unit_held = contextlib.ExitStack()
     try:
         for unit in [u[:-4] for u in units if u.endswith(".raw") and u[:-4] in forms.forms]:
             with forms.lock:
@@ -163,20 +169,30 @@ def repack_in_place(layout: ModelLayout, forms: RepackedForms, cpu_layers: Itera
                 forms.save()
         missing = [u for u in units if _runs_on_cpu(u) and u not in forms.forms]
         total = sum(t.nbytes for u in missing for t in unit_tensors(layout, u))
-        for chunk in _chunks(layout, missing, chunk_bytes):
-            (progress or (lambda _f, _w: None))(built / max(total, 1), f"repacking {_describe(chunk)} for this CPU "
+        keys: dict[str, str] = {}
+        for load in _loads(layout, missing, chunk_bytes):
+            (progress or (lambda _f, _w: None))(built / max(total, 1), f"repacking {load.describe()} for this CPU "
                                                                        "in place (once)")
-            spans = {t.name: t for u in chunk for t in unit_tensors(layout, u)}
+            spans = load.spans(layout)
+            if load.only is not None:
+                unit_held.enter_context(forms.lock)
 
-            def record(keys: dict[str, str], chunk: list[str] = chunk) -> None:  # under the lock, after the writes
+            def record(new: dict[str, str], load: _Load = load) -> None:  # under the lock, after the writes
+                keys.update(new)
+                if not load.completes:
+                    return
                 os.fsync(fd)
-                for u in chunk:
+                for u in load.completes:
                     forms.forms[u] = {t.name: keys[t.name] for t in unit_tensors(layout, u) if t.name in keys}
                 forms.save()
+                keys.clear()
 
-            _repack(layout, chunk, spans, fd, in_place=True, lock=forms.lock, written=record)
+            _repack(layout, load.units, spans, fd, in_place=True, lock=forms.lock, written=record, only=load.only)
+            if load.completes:
+                unit_held.close()
             built += sum(t.nbytes for t in spans.values())
     finally:
+        unit_held.close()
         os.close(fd)
     names = frozenset(n for u in units for n in forms.forms.get(u, ()))
     sizes = {t.name: t.nbytes for u in units for t in unit_tensors(layout, u)}
@@ -278,13 +294,14 @@ def _build(layout: ModelLayout, path: Path, manifest: dict, missing: list[str], 
     fd_out = os.open(path, os.O_WRONLY)
     fd_in = os.open(layout.path, os.O_RDONLY)
     try:
-        for chunk in _chunks(layout, missing, chunk_bytes):
-            progress(done / max(total, 1), f"repacking {_describe(chunk)} for this CPU into {path.name} (once)")
-            spans = {t.name: t for u in chunk for t in unit_tensors(layout, u)}
+        repacked: set[str] = set()  # across the parts of a unit loaded in parts
+        for load in _loads(layout, missing, chunk_bytes):
+            progress(done / max(total, 1), f"repacking {load.describe()} for this CPU into {path.name} (once)")
+            spans = load.spans(layout)
             # llama.cpp repacks only what CPU layers and the output layer multiply by; a tied lm_head's repacked
             # copy of the token embedding is reported too, but the file's embedding must stay as it is
-            cpu = {t.name: t for u in chunk if _runs_on_cpu(u) for t in unit_tensors(layout, u)}
-            repacked = _repack(layout, chunk, cpu, fd_out)
+            cpu = {t.name: t for u in load.units if _runs_on_cpu(u) for t in unit_tensors(layout, u) if t.name in spans}
+            repacked.update(_repack(layout, load.units, cpu, fd_out, only=load.only))
             for name, span in spans.items():
                 if name not in repacked:
                     _copy_range(fd_in, fd_out, span.offset, span.nbytes)
@@ -292,11 +309,13 @@ def _build(layout: ModelLayout, path: Path, manifest: dict, missing: list[str], 
             for span in spans.values():  # building is not running: leave memory as it was
                 _drop_cache(fd_in, span.offset, span.nbytes)
                 _drop_cache(fd_out, span.offset, span.nbytes)
-            for u in chunk:
+            for u in load.completes:  # a unit in parts is listed once all of them are written
                 # a copy's layers never change form (copy_path); a copy written before that rule may list the other
                 manifest["units"].pop(u[:-4] if u.endswith(".raw") else f"{u}.raw", None)
                 manifest["units"][u] = sorted(t.name for t in unit_tensors(layout, u) if t.name in repacked)
-            _write_manifest(path, manifest)
+            if load.completes:
+                _write_manifest(path, manifest)
+                repacked.clear()
             done += sum(s.nbytes for s in spans.values())
     finally:
         os.close(fd_in)
@@ -306,27 +325,67 @@ def _build(layout: ModelLayout, path: Path, manifest: dict, missing: list[str], 
     return total
 
 
-def _chunks(layout: ModelLayout, units: list[str], chunk_bytes: int) -> Iterator[list[str]]:
-    """Units grouped so that each load repacks at most about chunk_bytes (a unit larger than that goes alone)."""
+@dataclass(frozen=True)
+class _Load:
+    """One load of a build: whole units, or one part of one unit's weights (`only`)."""
+
+    units: list[str]
+    only: frozenset[str] | None = None  # the weights of units[0] this load repacks; None: every weight of its units
+    completes: tuple[str, ...] = ()  # the units whose every weight is written once this load is
+
+    def spans(self, layout: ModelLayout) -> dict[str, TensorSpan]:
+        return {t.name: t for u in self.units for t in unit_tensors(layout, u)
+                if self.only is None or t.name in self.only}
+
+    def describe(self) -> str:
+        return _describe(self.units) + (f" ({len(self.only)} of its weights)" if self.only is not None else "")
+
+
+def _loads(layout: ModelLayout, units: list[str], chunk_bytes: int) -> Iterator[_Load]:
+    """Units grouped so that each load repacks at most about chunk_bytes; a unit larger than that is loaded in
+    parts of its weights, each at most chunk_bytes (a weight larger than that goes alone)."""
     chunk: list[str] = []
     size = 0
     for u in units:
-        n = sum(t.nbytes for t in unit_tensors(layout, u))
+        tensors = unit_tensors(layout, u)
+        n = sum(t.nbytes for t in tensors)
         if chunk and size + n > chunk_bytes:
-            yield chunk
+            yield _Load(chunk, completes=tuple(chunk))
             chunk, size = [], 0
+        parts = _parts(tensors, chunk_bytes) if n > chunk_bytes else []
+        if len(parts) > 1:
+            yield from (_Load([u], part, (u,) if i == len(parts) - 1 else ()) for i, part in enumerate(parts))
+            continue
         chunk.append(u)
         size += n
     if chunk:
-        yield chunk
+        yield _Load(chunk, completes=tuple(chunk))
+
+
+def _parts(tensors: list[TensorSpan], chunk_bytes: int) -> list[frozenset[str]]:
+    """A unit's weights in file order, in parts of at most chunk_bytes (a weight larger than that alone)."""
+    parts: list[frozenset[str]] = []
+    part: list[str] = []
+    size = 0
+    for t in tensors:
+        if part and size + t.nbytes > chunk_bytes:
+            parts.append(frozenset(part))
+            part, size = [], 0
+        part.append(t.name)
+        size += t.nbytes
+    if part:
+        parts.append(frozenset(part))
+    return parts
 
 
 def _repack(layout: ModelLayout, units: list[str], spans: dict[str, TensorSpan], fd_out: int, *,
             in_place: bool = False, lock: contextlib.AbstractContextManager[object] | None = None,
-            written: Callable[[dict[str, str]], None] = lambda _keys: None) -> dict[str, str]:
-    """Load these units with llama.cpp's repacking on and write each weight it repacked into the copy; returns
-    their names, each with its RepackLayout's key when `in_place` (each is checked to undo exactly, before any is
-    written over the file's bytes). The writes, and then `written(keys)`, happen under `lock`."""
+            written: Callable[[dict[str, str]], None] = lambda _keys: None,
+            only: frozenset[str] | None = None) -> dict[str, str]:
+    """Load these units with llama.cpp's repacking on (of only these weights, where `only` names some) and write
+    each weight it repacked into the copy; returns their names, each with its RepackLayout's key when `in_place`
+    (each is checked to undo exactly, before any is written over the file's bytes). The writes, and then
+    `written(keys)`, happen under `lock`."""
     n_all = layout.n_layer_all
     placement = (ctypes.c_uint8 * (n_all + 1))()
     for u in filter(_runs_on_cpu, units):
@@ -342,7 +401,7 @@ def _repack(layout: ModelLayout, units: list[str], spans: dict[str, TensorSpan],
         got.append((span, memoryview((ctypes.c_char * size).from_address(data)).cast("B")))
 
     callback = _native.llama_repacked_tensor_callback(on_tensor)
-    ptr = _native.load_for_windows(layout.path, placement, repack=True, purpose="to repack it")
+    ptr = _native.load_for_windows(layout.path, placement, repack=True, purpose="to repack it", repack_only=only)
     try:
         _native.llama_model_repacked_tensors(ptr, callback, None)
         keys = {span.name: _check_undo(span, mv, fd_out) if in_place else "" for span, mv in got}
