@@ -415,9 +415,11 @@ def tokens_match(run: dict[str, Any], ref: dict[str, Any]) -> bool | None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prima-cpp", type=Path, help="a checkout of Lizonghang/prima.cpp built by its README")
-    ap.add_argument("--dllama", type=Path, help="a checkout of b4rtaz/distributed-llama built by its README")
-    ap.add_argument("--exo", type=Path, help="a checkout of exo-explore/exo (its outcome is recorded, docs/peers.md)")
+    # resolved: each system's processes run in their device's folder, where a relative path means nothing
+    ap.add_argument("--prima-cpp", type=_checkout, help="a checkout of Lizonghang/prima.cpp built by its README")
+    ap.add_argument("--dllama", type=_checkout, help="a checkout of b4rtaz/distributed-llama built by its README")
+    ap.add_argument("--exo", type=_checkout, help="a checkout of exo-explore/exo (its outcome is recorded, "
+                    "docs/peers.md)")
     ap.add_argument("--workloads", default="W1,W2,W3,W4")
     ap.add_argument("--systems", default=",".join(SYSTEMS[:4]))
     ap.add_argument("--runs", type=int, default=3, help="runs of each row; its median is reported (default 3)")
@@ -468,6 +470,10 @@ def main() -> int:
         return 130
     write(results, out_name, chart=True, scrub=peers.scrub)
     return 0
+
+
+def _checkout(path: str) -> Path:
+    return Path(path).resolve()
 
 
 def workload(w: Workload, systems: list[str], peers: Peers, a: argparse.Namespace, meminfo: Path,
