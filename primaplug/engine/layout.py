@@ -3,7 +3,7 @@
 The prefetcher pages windows in and out by these byte ranges, and the planner sizes windows by these byte
 counts. Reading the layout never loads the native engine and never touches tensor data.
 
-The header is parsed here with the `gguf` package's type tables rather than with `gguf.GGUFReader`:
+The header is parsed here, with ggml's type tables (engine/ggml_types.py), rather than with `gguf.GGUFReader`:
 the reader turns every vocabulary entry into numpy views and took 30 s on Gemma 3's 262k-token vocabulary
 on a 2-core machine; this parser skips the arrays it does not need and takes well under a second.
 """
@@ -22,10 +22,10 @@ from functools import cached_property
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from primaplug.core.errors import ModelFormatError, UnsupportedArchitectureError, WindowRangeError
 from primaplug.core.windows import LayerRange, snap_sizes
+from primaplug.engine.ggml_types import GGUFValueType, block, type_name
 
 # Architectures whose graphs the patch (patches/0001) can split into windows; must match
 # llama_window_supported_archs() in the engine (a test checks it).
@@ -292,6 +292,7 @@ class ModelLayout:
     def read_tensor(self, name: str) -> np.ndarray | None:
         """A tensor's values as float32, dequantized by gguf (ggml's dimensions reversed: a matrix is (rows,
         cols)), or None when the file has no such tensor. For small tensors: it is read whole."""
+        from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         t = self.tensor(name)
@@ -483,15 +484,15 @@ def _parse(buf: mmap.mmap, path: str, file_size: int) -> ModelLayout:
 
 def _span(path: str, name: str, shape: tuple[int, ...], ttype: int, offset: int) -> TensorSpan:
     try:
-        qtype = GGMLQuantizationType(ttype)
-        block, type_size = GGML_QUANT_SIZES[qtype]
-    except (ValueError, KeyError):
-        raise ModelFormatError(path, f"tensor {name} has unknown type {ttype}") from None
+        qtype = type_name(ttype)
+    except ValueError as e:
+        raise ModelFormatError(path, f"tensor {name}: {e}") from None
+    per_block, type_size = block(qtype)
     n = 1
     for d in shape:
         n *= d
     m = _LAYER_TENSOR.match(name)
-    return TensorSpan(name, qtype.name, shape, offset, n // block * type_size, int(m.group(1)) if m else None)
+    return TensorSpan(name, qtype, shape, offset, n // per_block * type_size, int(m.group(1)) if m else None)
 
 
 def _layout(

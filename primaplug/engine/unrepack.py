@@ -18,9 +18,9 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from primaplug.engine import _log, _native
+from primaplug.engine.ggml_types import block, type_id
 from primaplug.engine.layout import REPACKABLE, TensorSpan
 
 PROBE_ROWS = 16  # a multiple of every row group llama.cpp interleaves (4, 8 or 16 rows)
@@ -87,13 +87,13 @@ def undo_range(span: TensorSpan, layout: RepackLayout, read: object, start: int,
 
 
 def _row_bytes(type_name: str, ne0: int) -> int:
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
-    return ne0 // block * size
+    per_block, size = block(type_name)
+    return ne0 // per_block * size
 
 
-def _repack(type_id: int, ne0: int, src: np.ndarray) -> np.ndarray | None:
+def _repack(tid: int, ne0: int, src: np.ndarray) -> np.ndarray | None:
     dst = np.empty_like(src)
-    rc = _native.ggml_cpu_repack_bytes(type_id, ne0, PROBE_ROWS, src.ctypes.data, dst.ctypes.data, src.nbytes)
+    rc = _native.ggml_cpu_repack_bytes(tid, ne0, PROBE_ROWS, src.ctypes.data, dst.ctypes.data, src.nbytes)
     return dst if rc == 0 else None
 
 
@@ -101,10 +101,9 @@ def _repack(type_id: int, ne0: int, src: np.ndarray) -> np.ndarray | None:
 def _probe(type_name: str, ne0: int) -> np.ndarray | None:
     """The repacked bytes of a probe of zeros: the constant part of the layout; None where nothing is repacked."""
     _log.install()  # llama.cpp logs each repacking: to the engine's log, not stderr
-    block, _ = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
-    if ne0 % block:
+    if ne0 % block(type_name)[0]:
         return None
-    return _repack(int(GGMLQuantizationType[type_name]), ne0, np.zeros(PROBE_ROWS * _row_bytes(type_name, ne0),
+    return _repack(type_id(type_name), ne0, np.zeros(PROBE_ROWS * _row_bytes(type_name, ne0),
                                                                         np.uint8))
 
 
@@ -114,14 +113,14 @@ def learn(type_name: str, ne0: int) -> RepackLayout | None:
     const = _probe(type_name, ne0)
     if const is None:
         return None
-    type_id = int(GGMLQuantizationType[type_name])
+    tid = type_id(type_name)
     probe_bytes = const.size
     n_bits = 8 * probe_bytes
     c_bits = np.unpackbits(const, bitorder="little")
     index = np.arange(n_bits, dtype=np.int64)
     src = np.zeros(n_bits, np.int64)  # the raw bit each repacked bit is
     for k in range((n_bits - 1).bit_length()):
-        out = _repack(type_id, ne0, np.packbits(((index >> k) & 1).astype(np.uint8), bitorder="little"))
+        out = _repack(tid, ne0, np.packbits(((index >> k) & 1).astype(np.uint8), bitorder="little"))
         assert out is not None
         src |= (np.unpackbits(out, bitorder="little") ^ c_bits).astype(np.int64) << k
     if not np.array_equal(np.sort(src), index):
@@ -129,7 +128,7 @@ def learn(type_name: str, ne0: int) -> RepackLayout | None:
     rng = np.random.default_rng(0)
     for _ in range(_CHECKS):
         x = rng.integers(0, 256, probe_bytes, dtype=np.uint8)
-        out = _repack(type_id, ne0, x)
+        out = _repack(tid, ne0, x)
         if out is None or not np.array_equal(np.unpackbits(out, bitorder="little"),
                                              np.unpackbits(x, bitorder="little")[src] ^ c_bits):
             return None

@@ -17,9 +17,8 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
 from primaplug.core.profiles import QUANT_TYPES, ModelProfile
+from primaplug.engine.ggml_types import block
 from primaplug.engine.layout import ModelLayout, TensorSpan
 
 # float and integer types that are not block quantizations map by kind, not by bits per weight
@@ -38,8 +37,8 @@ _RESIDUAL_ADDS = 2  # after attention and after the FFN
 
 
 def _bits_per_weight(type_name: str) -> float:
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
-    return 8 * size / block
+    per_block, size = block(type_name)
+    return 8 * size / per_block
 
 
 _MEASURED_BPW = {q: _bits_per_weight(q) for q in QUANT_TYPES}
@@ -57,7 +56,7 @@ def normalise_type(type_name: str) -> str:
         return type_name
     if type_name in _BY_KIND:
         return _BY_KIND[type_name]
-    bpw = _bits_per_weight(type_name)  # KeyError for a name gguf does not know
+    bpw = _bits_per_weight(type_name)  # KeyError for a name ggml does not know
     return min(QUANT_TYPES, key=lambda q: (abs(_MEASURED_BPW[q] - bpw), _MEASURED_BPW[q]))
 
 
