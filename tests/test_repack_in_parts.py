@@ -119,3 +119,21 @@ def test_repacking_in_place_in_parts_gives_the_same_file_and_record(model_dir: P
         got[name] = (path.read_bytes(), forms.forms)
     assert got["parts"][1] == got["whole"][1]
     assert got["parts"][0] == got["whole"][0]
+
+
+def test_a_load_that_would_not_fit_is_refused_before_it_is_loaded(model_dir: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from primaplug.core.errors import EngineError
+    from primaplug.engine import read_layout
+    from primaplug.engine.repacked import repacked_copy
+
+    layout = read_layout(_moe(model_dir))
+    largest = max(t.nbytes for t in layout.layer_tensors(1))
+    seen = _spy_loads(monkeypatch)
+    with pytest.raises(EngineError, match=r"writing the repacked copy of layer 1 \(\d+ of its weights\) \(once\) "
+                                          r"takes \d+ MiB of memory at once, and this device has 0 MiB available "
+                                          r"\(a weight is repacked whole: the largest here, blk\.1\.ffn_\w+_exps"):
+        repacked_copy(layout, [1], output=False, cache_dir=tmp_path, chunk_bytes=1, room=lambda: largest - 1)
+    assert seen == [], "refused before llama.cpp loaded anything"
+    copy = repacked_copy(layout, [1], output=False, cache_dir=tmp_path, chunk_bytes=1, room=lambda: largest)
+    assert copy.built_bytes > 0, "a weight at a time fits where the largest weight does"

@@ -110,6 +110,7 @@ class DeviceWindows:
         from primaplug.engine import Model
         from primaplug.engine.progress import ROUTES_READABLE
         from primaplug.engine.repacked import CHUNK_BYTES
+        from primaplug.memory.system import memory_view
 
         ranges, memory = list(ranges), memory or MemorySettings()
         if layout.n_expert and memory.switches.experts and not ROUTES_READABLE:
@@ -131,6 +132,7 @@ class DeviceWindows:
         # writing the repacked copy (once) loads layers with llama.cpp's repacking on: half the budget at a time
         chunk = min(CHUNK_BYTES, max(0, plan.prefetch.budget_bytes) // 2)
         model = Model(path, used, output=output, gpu_layers=gpu_layers, layout=layout, copy_chunk_bytes=chunk,
+                      copy_room=lambda: memory_view().available_bytes,
                       progress=lambda f, what: progress(0.05 + 0.05 * f, what), repack_in=repack_in)
         log.info("windows %s: %s", names, model.describe_kernels())
         hooks = PrefetchHooks(on_cpu, per_layer=plan.per_layer)

@@ -32,6 +32,7 @@ from primaplug.engine.repacked import (
     CHUNK_BYTES,
     RepackedCopy,
     RepackedForms,
+    Room,
     can_repack_in_place,
     needs_copy,
     repack_in_place,
@@ -152,7 +153,10 @@ class Model:
             are, with the slower kernels: other logits than plain llama.cpp.
         layout: the file's layout when the caller has already read it (read from the header otherwise).
         progress: told (fraction, what) how writing the repacked copy goes, when it must be written.
-        copy_chunk_bytes: layers loaded at a time to write the repacked copy: the anonymous memory that takes.
+        copy_chunk_bytes: layers loaded at a time to write the repacked copy: the anonymous memory that takes (a
+            larger layer in parts of its weights).
+        copy_room: the memory available now: writing the repacked copy is refused before it starts where its
+            largest load would not fit (EngineError).
         repack_in: the record of a file the caller owns (a node's fetched copy, store/copy.py): its CPU layers are
             repacked in that file itself rather than in a copy beside it, so the layers take disk once.
     """
@@ -168,6 +172,7 @@ class Model:
         layout: ModelLayout | None = None,
         progress: Callable[[float, str], None] | None = None,
         copy_chunk_bytes: int = CHUNK_BYTES,
+        copy_room: Room | None = None,
         repack_in: RepackedForms | None = None,
     ) -> None:
         self.path = os.fspath(path)
@@ -191,10 +196,10 @@ class Model:
         if repack and needs_copy(self.layout, cpu_layers, output):
             if repack_in is not None and can_repack_in_place(self.layout, cpu_layers, output):
                 self.copy = repack_in_place(self.layout, repack_in, cpu_layers, gpu, output=output,
-                                            progress=progress, chunk_bytes=copy_chunk_bytes)
+                                            progress=progress, chunk_bytes=copy_chunk_bytes, room=copy_room)
             else:
                 self.copy = repacked_copy(self.layout, cpu_layers, gpu, output=output, progress=progress,
-                                          chunk_bytes=copy_chunk_bytes)
+                                          chunk_bytes=copy_chunk_bytes, room=copy_room)
         self.source = self.copy.path if self.copy else self.path  # the file mapped: prefetch and release this one
         cpu = _native.LLAMA_WINDOW_PLACEMENT_CPU_REPACKED if self.copy else _native.LLAMA_WINDOW_PLACEMENT_CPU
         n_all = self.layout.n_layer_all

@@ -71,6 +71,7 @@ from primaplug.engine.unrepack import RepackLayout, layout_for, repacks, undo_ra
 log = logging.getLogger(__name__)
 
 Progress = Callable[[float, str], None]  # (fraction done, what is being done)
+Room = Callable[[], int]  # the memory available now, in bytes
 
 FORMAT = 1  # of the manifest beside each copy
 CHUNK_BYTES = 256 << 20  # layers repacked per load while building (default): the anonymous memory a build takes
@@ -124,10 +125,11 @@ def _runs_on_cpu(unit: str) -> bool:
 
 def repacked_copy(layout: ModelLayout, cpu_layers: Iterable[int], gpu_layers: Iterable[int] = (), *, output: bool,
                   cache_dir: Path | None = None, progress: Progress | None = None,
-                  chunk_bytes: int = CHUNK_BYTES) -> RepackedCopy:
+                  chunk_bytes: int = CHUNK_BYTES, room: Room | None = None) -> RepackedCopy:
     """The repacked copy of `layout`'s model holding these layers (and the output layer), written first for
-    whatever it lacks, `chunk_bytes` of layers at a time (at least one layer). Safe against other processes doing
-    the same (one writes, the others wait)."""
+    whatever it lacks, `chunk_bytes` of layers at a time (a larger layer in parts of its weights). `room`: the
+    memory available now; a build whose largest load would not fit is refused before it starts (EngineError).
+    Safe against other processes doing the same (one writes, the others wait)."""
     folder = cache_dir or default_dir()
     folder.mkdir(parents=True, exist_ok=True)
     units = units_for(layout, cpu_layers, gpu_layers, output)
@@ -137,7 +139,7 @@ def repacked_copy(layout: ModelLayout, cpu_layers: Iterable[int], gpu_layers: It
         missing = [u for u in units if u not in manifest["units"]]
         built = 0
         if missing:
-            built = _build(layout, path, manifest, missing, progress or (lambda _f, _w: None), chunk_bytes)
+            built = _build(layout, path, manifest, missing, progress or (lambda _f, _w: None), chunk_bytes, room)
     names = frozenset(n for u in units for n in manifest["units"][u])
     sizes = {t.name: t.nbytes for u in units for t in unit_tensors(layout, u)}
     return RepackedCopy(os.fspath(path), names, sum(sizes[n] for n in names), built)
@@ -151,7 +153,7 @@ def can_repack_in_place(layout: ModelLayout, cpu_layers: Iterable[int], output: 
 
 def repack_in_place(layout: ModelLayout, forms: RepackedForms, cpu_layers: Iterable[int],
                     gpu_layers: Iterable[int] = (), *, output: bool, progress: Progress | None = None,
-                    chunk_bytes: int = CHUNK_BYTES) -> RepackedCopy:
+                    chunk_bytes: int = CHUNK_BYTES, room: Room | None = None) -> RepackedCopy:
     """Repack these CPU layers (and the output layer) in `layout`'s own file, and put its GPU layers back as the
     model file has them: the file then serves as its own repacked copy. Only for a file the caller owns and no other
     process maps (a node's fetched copy); can_repack_in_place must hold. The caller's record is saved after each
@@ -170,7 +172,9 @@ def repack_in_place(layout: ModelLayout, forms: RepackedForms, cpu_layers: Itera
         missing = [u for u in units if _runs_on_cpu(u) and u not in forms.forms]
         total = sum(t.nbytes for u in missing for t in unit_tensors(layout, u))
         keys: dict[str, str] = {}
-        for load in _loads(layout, missing, chunk_bytes):
+        loads = list(_loads(layout, missing, chunk_bytes))
+        _check_room(layout, loads, room)
+        for load in loads:
             (progress or (lambda _f, _w: None))(built / max(total, 1), f"repacking {load.describe()} for this CPU "
                                                                        "in place (once)")
             spans = load.spans(layout)
@@ -281,13 +285,15 @@ def _write_manifest(path: Path, manifest: dict) -> None:
 
 
 def _build(layout: ModelLayout, path: Path, manifest: dict, missing: list[str], progress: Progress,
-           chunk_bytes: int) -> int:
+           chunk_bytes: int, room: Room | None) -> int:
     total = sum(t.nbytes for u in missing for t in unit_tensors(layout, u))
     free = shutil.disk_usage(path.parent).free
     if total + (64 << 20) > free:
         raise EngineError(
             f"the repacked copy of this device's layers needs {total / 2**30:.2f} GiB in {path.parent}, which has "
             f"{free / 2**30:.2f} GiB free. Free some space, or set PRIMAPLUG_CACHE to a folder on a disk with room")
+    loads = list(_loads(layout, missing, chunk_bytes))
+    _check_room(layout, loads, room)
     t0, done = time.perf_counter(), 0
     what = _describe(missing)
     log.info("writing the repacked copy of %s to %s (%.0f MiB, once)", what, path, total / 2**20)
@@ -295,7 +301,7 @@ def _build(layout: ModelLayout, path: Path, manifest: dict, missing: list[str], 
     fd_in = os.open(layout.path, os.O_RDONLY)
     try:
         repacked: set[str] = set()  # across the parts of a unit loaded in parts
-        for load in _loads(layout, missing, chunk_bytes):
+        for load in loads:
             progress(done / max(total, 1), f"repacking {load.describe()} for this CPU into {path.name} (once)")
             spans = load.spans(layout)
             # llama.cpp repacks only what CPU layers and the output layer multiply by; a tied lm_head's repacked
@@ -343,7 +349,7 @@ class _Load:
 
 def _loads(layout: ModelLayout, units: list[str], chunk_bytes: int) -> Iterator[_Load]:
     """Units grouped so that each load repacks at most about chunk_bytes; a unit larger than that is loaded in
-    parts of its weights, each at most chunk_bytes (a weight larger than that goes alone)."""
+    parts of its weights (_parts)."""
     chunk: list[str] = []
     size = 0
     for u in units:
@@ -362,8 +368,32 @@ def _loads(layout: ModelLayout, units: list[str], chunk_bytes: int) -> Iterator[
         yield _Load(chunk, completes=tuple(chunk))
 
 
+def _check_room(layout: ModelLayout, loads: list[_Load], room: Room | None) -> None:
+    """Refuse, before anything is loaded or written, a build whose largest load would not fit in the memory
+    available now: the OS would kill the process, or crowd out the apps people use."""
+    if room is None or not loads:
+        return
+
+    def need(load: _Load) -> int:
+        spans = load.spans(layout)
+        return sum(t.nbytes for u in load.units if _runs_on_cpu(u) for t in unit_tensors(layout, u)
+                   if t.name in spans and t.type_name in REPACKABLE)
+
+    largest = max(loads, key=need)
+    available = room()
+    if need(largest) > available:
+        weight = max(largest.spans(layout).values(), key=lambda t: t.nbytes)
+        raise EngineError(
+            f"writing the repacked copy of {largest.describe()} (once) takes {need(largest) / 2**20:.0f} MiB of "
+            f"memory at once, and this device has {available / 2**20:.0f} MiB available (a weight is repacked whole: "
+            f"the largest here, {weight.name}, is {weight.nbytes / 2**20:.0f} MiB). Free memory on this device, or "
+            "give it other layers, or none (--layers)")
+
+
 def _parts(tensors: list[TensorSpan], chunk_bytes: int) -> list[frozenset[str]]:
-    """A unit's weights in file order, in parts of at most chunk_bytes (a weight larger than that alone)."""
+    """A unit's weights in file order, in parts of at most chunk_bytes, or of the largest weight where that is
+    larger: the memory a part takes is bounded by that weight anyway, and each part costs a load."""
+    chunk_bytes = max([chunk_bytes, *(t.nbytes for t in tensors)])
     parts: list[frozenset[str]] = []
     part: list[str] = []
     size = 0
