@@ -20,12 +20,12 @@ own (`-gpu<hash>` in its name), in which those layers are raw and every other la
 layers uses the plain one.
 
 The repacked bytes come from llama.cpp itself: the missing layers are loaded with repacking on, a few hundred MB
-at a time, and every weight it repacked is written out (llama_model_repacked_tensors). llama.cpp holds what it
-repacks in anonymous memory, so a layer larger than that (a mixture of experts') is loaded once per part of its
-weights, llama.cpp told to repack only that part (patches/0024): a build holds at most about `chunk_bytes`, or the
-largest weight where one is larger. So the choice of which
-tensors repack, and how, stays llama.cpp's, on this CPU and this build. The copy is named by the model's identity
-and by the engine (the CPU backend library and the CPU features it saw), so another build or CPU writes its own.
+at a time, and every weight it repacked is written out (llama_model_repacked_tensors). So the choice of which
+tensors repack, and how, stays llama.cpp's, on this CPU and this build. llama.cpp holds what it repacks in anonymous
+memory, so a layer larger than a load's share (a mixture of experts') is loaded once per part of its weights,
+llama.cpp told to repack only that part (patches/0024): a build holds at most about `chunk_bytes`, or the largest
+weight where that is larger. The copy is named by the model's identity and by the engine (the CPU backend library
+and the CPU features it saw), so another build or CPU writes its own.
 
 A node's copy of layers it fetched (store/copy.py) is its own file, not the user's: there the layers are repacked in
 place (repack_in_place), and the node keeps one copy on disk. Repacking only moves bits, which engine/unrepack.py
