@@ -164,15 +164,13 @@ def load_for_windows(path: str, placement: ctypes.Array[ctypes.c_uint8], *, repa
     params = _ll.llama_model_default_params()
     params.use_extra_bufts = repack
     params.load_mode = _ll.LLAMA_LOAD_MODE_MMAP
-    if repack_only is None:
+    names = None if repack_only is None else (ctypes.c_char_p * max(len(repack_only), 1))(
+        *(n.encode() for n in repack_only))
+    llama_set_repack_only(names, len(repack_only or ()))  # None: repack all, as a load does by default
+    try:
         ptr = llama_model_load_for_windows(path.encode(), params, placement, len(placement))
-    else:
-        names = (ctypes.c_char_p * max(len(repack_only), 1))(*(n.encode() for n in repack_only))
-        llama_set_repack_only(names, len(repack_only))
-        try:
-            ptr = llama_model_load_for_windows(path.encode(), params, placement, len(placement))
-        finally:
-            llama_set_repack_only(None, 0)
+    finally:
+        llama_set_repack_only(None, 0)
     if not ptr:
         raise EngineError(f"could not load {path} {purpose}: {_log.take_errors() or 'see the log'}")
     return ptr
