@@ -53,9 +53,9 @@ class _Pipe:
                 t_in, due, data = item
                 if (wait := due - loop.time()) > 0:
                     await asyncio.sleep(wait)
-                writer.write(data)
-                if self.trace is not None:
+                if self.trace is not None:  # stamped before the write: the receiver may run before we stamp after it
                     self.trace.append((t_in, due, loop.time(), len(data)))  # loop.time() is time.monotonic()
+                writer.write(data)
                 await writer.drain()
 
         sender = asyncio.create_task(deliver())
