@@ -34,6 +34,23 @@ def test_installed_engine_is_the_current_build(build) -> None:
         assert build.main(["--gpu", "cpu"]) == 0  # finds it installed and returns at once
 
 
+def test_the_version_a_process_reads_is_importlib_metadatas(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ensure.installed_version reads the .dist-info folder itself (a node saves importlib.metadata's 2.7 MiB): the
+    same answer, the first folder on sys.path wins as importlib.metadata's does, and None where there is none."""
+    import importlib.metadata
+
+    from primaplug.engine.ensure import installed_version
+
+    assert installed_version() == importlib.metadata.version("llama-cpp-python")
+    first = tmp_path / "first" / "llama_cpp_python-9.9.9.dist-info"
+    first.mkdir(parents=True)
+    (first / "METADATA").write_text("Metadata-Version: 2.1\nName: llama_cpp_python\nVersion: 9.9.9+x\n\nVersion: no\n")
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "missing"), str(tmp_path / "first"), *sys.path])
+    assert installed_version() == "9.9.9+x"
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "missing")])
+    assert installed_version() is None
+
+
 def test_the_script_needs_only_the_standard_library(build) -> None:
     """Without site-packages (python -S) the script still runs: it is what installs everything else."""
     r = subprocess.run([sys.executable, "-S", "-I", str(ROOT / "scripts" / "build_engine.py"), "--gpu", "cpu",

@@ -12,11 +12,13 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from primaplug.core import PrimaplugError
 from primaplug.core.settings import DISCOVER_S, DRAFT_MAX, DRAFT_MIN, PROVE_TIMEOUT_S, RunSettings
-from primaplug.head.events import Deployed, Event, NodeMetrics, NodeProgress, Notice, Planned, Reformed
+
+if TYPE_CHECKING:  # a node imports this package too (the parser): the head's modules load only where a head runs
+    from primaplug.head.events import Event
 
 RUN = RunSettings()
 AUTO = "auto"  # --nodes auto: the nodes of this cluster that advertise themselves (node --advertise)
@@ -317,6 +319,8 @@ class EventLines:
             say(text)
 
     def __call__(self, event: Event) -> None:
+        from primaplug.head.events import Deployed, NodeMetrics, NodeProgress, Notice, Planned, Reformed
+
         match event:
             case NodeProgress(state="profiling" | "loading"):
                 frac = event.progress

@@ -11,10 +11,11 @@ so it does not show there). `bindings_only()` registers the package without runn
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import sys
 import types
+
+from primaplug.engine.ensure import installed_version
 
 
 def bindings_only() -> bool:
@@ -34,9 +35,6 @@ def bindings_only() -> bool:
     package.__spec__ = spec  # find_spec("llama_cpp") still answers (the profiler reads the library folder off it)
     package.__loader__ = spec.loader
     package.__package__ = "llama_cpp"
-    try:
-        package.__version__ = importlib.metadata.version("llama_cpp_python")  # type: ignore[attr-defined]
-    except importlib.metadata.PackageNotFoundError:
-        package.__version__ = "unknown"  # type: ignore[attr-defined]
+    package.__version__ = installed_version() or "unknown"  # type: ignore[attr-defined]
     sys.modules["llama_cpp"] = package
     return True

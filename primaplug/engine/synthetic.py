@@ -12,13 +12,15 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from gguf import ExpertGatingFuncType, GGUFWriter
 
 from primaplug.core.errors import EngineError, ModelFormatError
 from primaplug.engine.layout import glm5_2_own_indexer
+
+if TYPE_CHECKING:  # gguf (3 MiB) loads when a model is written: `primaplug synth`'s parser reads the names below
+    from gguf import GGUFWriter
 
 # llama_ftype values of llama.h (MXFP4_MOE: experts in MXFP4, as gpt-oss ships; the rest Q8_0)
 FTYPES = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K_M": 15, "Q4_K_S": 14, "Q5_K_M": 17, "Q6_K": 18, "MXFP4_MOE": 38}
@@ -515,6 +517,8 @@ def write_synthetic_gguf(path: str | os.PathLike[str], spec: SyntheticSpec, *, d
         raise ValueError(f"synthetic matrices are written as F32 or F16, not {dtype}")
     rng = np.random.default_rng(spec.seed)
     e, hd = spec.n_embd, spec.n_embd // spec.n_head
+
+    from gguf import ExpertGatingFuncType, GGUFWriter
 
     w = GGUFWriter(os.fspath(path), spec.arch)
     w.add_name(f"synthetic-{spec.arch}-{spec.n_layer}L")

@@ -63,6 +63,9 @@ class Deployment:
         except BaseException:
             device.close()
             raise
+        # what loading freed goes back now, not at the first prompt: writing a W1 phone's repacked copy in parts left
+        # 16 MiB free in the heap (engine/repacked.py), and its warm-up's batch more
+        _return_freed_memory()
         return cls(a, device, out, layout.n_layer, copy)
 
     @property

@@ -7,7 +7,6 @@ forced again, up to 20 s while other work kept the cores busy; a cached profile 
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import os
 import platform
@@ -19,6 +18,7 @@ from pathlib import Path
 import psutil
 
 from primaplug.core.profiles import QUANT_TYPES, Backend, DeviceProfile, OsName
+from primaplug.engine.ensure import installed_version
 from primaplug.profiler import cache, gpu, osinfo, throughput
 from primaplug.profiler.compute import engine_log, measure_flops, types_to_measure
 
@@ -32,10 +32,7 @@ MEMORY_TEST_BYTES = (256 << 20, 512 << 20)  # at least (past every cache), at mo
 
 
 def engine_version() -> str:
-    try:
-        return importlib.metadata.version("llama-cpp-python")
-    except importlib.metadata.PackageNotFoundError:
-        return "none"
+    return installed_version() or "none"
 
 
 def _disk_id(path: Path) -> str:
