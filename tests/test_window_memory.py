@@ -211,7 +211,7 @@ def test_a_node_gives_a_batchs_freed_memory_back_once_its_output_is_sent(monkeyp
 
     trims: list[int] = []
     released: list[int] = []
-    monkeypatch.setattr(deployment, "_return_freed_memory", lambda: trims.append(1))
+    monkeypatch.setattr(deployment, "return_freed_memory", lambda: trims.append(1))
     node = deployment.Deployment(assignment=None, device=types.SimpleNamespace(done=released.append),  # type: ignore[arg-type]
                                  out=None, n_layer=18)  # type: ignore[arg-type]
 

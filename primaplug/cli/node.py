@@ -102,6 +102,9 @@ def main(args: argparse.Namespace) -> int:
     from primaplug.engine import bindings_only
 
     bindings_only()  # a node never uses llama_cpp.Llama: 4 MiB less of its device's memory (engine/_bindings.py)
+    from primaplug.memory.heap import map_large_blocks
+
+    map_large_blocks()  # what the node frees goes back to the device's owner (memory/heap.py)
     from primaplug.device import MemorySettings
     from primaplug.memory.prefetcher import Switches
     from primaplug.node import Node, NodeSettings

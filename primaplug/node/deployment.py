@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +15,7 @@ from primaplug.core.windows import LayerRange
 from primaplug.device import DeviceWindows, MemorySettings
 from primaplug.engine import BUSY_POLL, ContextSettings, ModelLayout
 from primaplug.engine.affinity import on_cpu
+from primaplug.memory.heap import return_freed_memory
 from primaplug.memory.prefetcher import Prefetcher
 from primaplug.transport import RingOut, Transport
 from primaplug.wire import Activation, Assignment, ExpertTraffic, KvOp, window_output
@@ -65,7 +64,7 @@ class Deployment:
             raise
         # what loading freed goes back now, not at the first prompt: writing a W1 phone's repacked copy in parts left
         # 16 MiB free in the heap (engine/repacked.py), and its warm-up's batch more
-        _return_freed_memory()
+        return_freed_memory()
         return cls(a, device, out, layout.n_layer, copy)
 
     @property
@@ -140,7 +139,7 @@ class Deployment:
         its cap), at no cost in TPOT; a trim takes about 0.1 ms once little is free, off the ring's path."""
         self.device.done(msg.round)
         if msg.n_rows > 1:
-            _return_freed_memory()
+            return_freed_memory()
 
     def apply(self, op: KvOp) -> None:
         if op.op == "clear":
@@ -159,19 +158,4 @@ class Deployment:
     def close(self) -> None:
         self.device.close()
         self.out.close()
-        _return_freed_memory()
-
-
-def _return_freed_memory() -> None:
-    """Hand the heap's free pages back to the OS (glibc keeps them otherwise): llama.cpp's buffers of a large context
-    or batch stay in the node's RSS after the windows are freed, by 50-100 MiB on Gemma 3 270M, and the device's
-    owner gets that memory back only when the node releases it; a prompt's temporaries likewise. Elsewhere (macOS,
-    musl) there is nothing to call."""
-    trim = getattr(_libc(), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None)
+        return_freed_memory()

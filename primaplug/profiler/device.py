@@ -19,6 +19,7 @@ import psutil
 
 from primaplug.core.profiles import QUANT_TYPES, Backend, DeviceProfile, OsName
 from primaplug.engine.ensure import installed_version
+from primaplug.memory.heap import return_freed_memory
 from primaplug.profiler import cache, gpu, osinfo, throughput
 from primaplug.profiler.compute import engine_log, measure_flops, types_to_measure
 
@@ -78,10 +79,12 @@ def profile_device(
     if measured is None:
         measured = measure_device(fp, types, cache_dir=folder, model_path=model_path, layer_bytes=layer_bytes)
         cache.save(folder, measured)
+        return_freed_memory()  # the calibration models' buffers: tens of MiB the process would keep otherwise
     elif missing := [q for q in types if q not in measured.cpu_flops]:
         logger.info("measuring compute speed for %s (not in the cached profile)", ", ".join(missing))
         _measure_compute(measured, missing, folder)
         cache.save(folder, measured)
+        return_freed_memory()
     return _profile(name, os_name, measured)
 
 

@@ -29,6 +29,19 @@ Clock = Callable[[], float]
 _F_NOCACHE = 48  # fcntl.h on macOS (Python's fcntl module names it only on some versions)
 
 
+def _unmapped_after(n: int, dtype: type[np.generic]) -> np.ndarray:
+    """n elements in an anonymous mapping of their own, unmapped as soon as the array and its views are gone.
+
+    From malloc, a test buffer of a small device stays in the process for good: glibc's threshold for mapping a
+    block rises to the size of the last mapped block freed (up to 32 MiB), so the second buffer of that size comes
+    from a thread's arena, whose top malloc_trim never returns. Profiling a phone emulated at 145 MiB left 53 MiB
+    resident in its node that way (benchmarks/results/LOG.md, 2026-11-28 night)."""
+    m = mmap.mmap(-1, n * np.dtype(dtype).itemsize)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # as numpy asks of its own large buffers: huge pages where the OS gives them
+        m.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(m, dtype=dtype)
+
+
 def _median_rate(nbytes: int, seconds: list[float]) -> float:
     return nbytes / max(statistics.median(seconds), 1e-9)
 
@@ -37,7 +50,8 @@ def memory_read_bps(size_bytes: int = 256 << 20, *, threads: int = 1, repeats: i
                     clock: Clock = time.perf_counter) -> float:
     """RAM -> register read throughput: every thread ORs its slice of a buffer together (numpy releases the GIL in
     reductions, so the threads read in parallel as llama.cpp's compute threads do)."""
-    words = np.ones(max(1, size_bytes // 8), dtype=np.uint64)
+    words = _unmapped_after(max(1, size_bytes // 8), np.uint64)
+    words.fill(1)
     chunks = np.array_split(words, max(1, threads))
     times = []
     with ThreadPoolExecutor(len(chunks)) as pool:
@@ -52,8 +66,9 @@ def memory_read_bps(size_bytes: int = 256 << 20, *, threads: int = 1, repeats: i
 def copy_bps(size_bytes: int = 64 << 20, *, repeats: int = 5, clock: Clock = time.perf_counter) -> float:
     """Copy throughput within RAM, one thread, in bytes written per second: how fast new keys and values go into
     the F16 KV cache (llama.cpp stores one token's rows of a layer from one thread)."""
-    src = np.ones(max(1, size_bytes // 2), dtype=np.float16)
-    dst = np.empty_like(src)
+    src = _unmapped_after(max(1, size_bytes // 2), np.float16)
+    src.fill(1)
+    dst = _unmapped_after(len(src), np.float16)
     np.copyto(dst, src)
     times = []
     for _ in range(repeats):
