@@ -78,13 +78,13 @@ def profile_device(
     measured = None if force else cache.load(folder, fp)
     if measured is None:
         measured = measure_device(fp, types, cache_dir=folder, model_path=model_path, layer_bytes=layer_bytes)
-        cache.save(folder, measured)
-        return_freed_memory()  # the calibration models' buffers: tens of MiB the process would keep otherwise
     elif missing := [q for q in types if q not in measured.cpu_flops]:
         logger.info("measuring compute speed for %s (not in the cached profile)", ", ".join(missing))
         _measure_compute(measured, missing, folder)
-        cache.save(folder, measured)
-        return_freed_memory()
+    else:
+        return _profile(name, os_name, measured)
+    cache.save(folder, measured)
+    return_freed_memory()  # the calibration models' buffers: tens of MiB the process would keep otherwise
     return _profile(name, os_name, measured)
 
 
