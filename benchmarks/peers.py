@@ -288,7 +288,7 @@ def _round(x: float | None) -> float | None:
 def run_dllama(src: Path, rig: Rig, job: Job, first: Callable[[], None], model: Path) -> Outcome:
     shapes = dllama.shapes_of(model)
     n = len(job.extra.get("devices", rig.devices))
-    if why := dllama.unsupported(shapes, n):
+    if why := dllama.unsupported(n):
         return Outcome("unsupported", error=why)
     m = dllama.write_model(shapes, model.with_suffix(".dllama.m"))
     t = dllama.write_tokenizer(model, model.with_suffix(".dllama.t"))

@@ -1,7 +1,8 @@
 """distributed-llama (b4rtaz/distributed-llama): tensor parallelism on CPUs. `dllama worker` on every device but the
 first, `dllama inference` there as the root; the root reads the model and sends each worker its slice of every
-layer, which the worker holds in memory. Its node count is a power of two and at most the model's KV heads; its
-weights are Q40 (its own `.m` format, no GGUF), its buffers Q80.
+layer, which the worker holds in memory. Its node count is a power of two and at most the model's KV heads (the
+root says so itself, in a log kept with the row); its weights are Q40 (its own `.m` format, no GGUF), its buffers
+Q80.
 
 Built by its README in a checkout given by path (`make dllama`), never here. Its model file is written here from the
 GGUF's shapes (`write_model`): the same architecture, sizes and vocabulary, with random Q40 weights, in the format
@@ -32,6 +33,8 @@ KEYS = {"version": 0, "arch_type": 1, "dim": 2, "hidden_dim": 3, "n_layers": 4, 
         "weights_float_type": 13, "head_dim": 19, "norm_epsilon": 20, "moe_hidden_dim": 21}
 PRED = re.compile(r"Pred\s*(\d+) ms Sync\s*(\d+) ms")
 EVAL = re.compile(r"Eval\s*(\d+) ms Sync\s*(\d+) ms")
+# what the root prints where it refuses a model or a node count (src/app.cpp: runInferenceApp), before any weight
+REFUSAL = re.compile(r"This version (?:does not support|supports only)[^\n]*")
 
 
 def binary(src: Path) -> Path:
@@ -180,14 +183,19 @@ def _piece(token: str) -> bytes:
     return token.replace("\u2581", " ").encode()
 
 
-def unsupported(s: Shapes, n_nodes: int) -> str | None:
-    """Why distributed-llama cannot run these shapes on n_nodes, in its own terms, or None."""
+def unsupported(n_nodes: int) -> str | None:
+    """Why the harness does not start distributed-llama on n_nodes, or None: it slices every layer into equal
+    parts, one a node, and its README runs 1, 2, 4, 8 ... of them. Its other limits (at most the model's KV heads)
+    it says itself when run (`refusal`)."""
     if n_nodes & (n_nodes - 1):
         return f"unsupported: distributed-llama runs on 1, 2, 4, 8 ... nodes, not {n_nodes}"
-    if n_nodes > s.n_kv_heads:
-        return ("unsupported: This version does not support more nodes than the number of KV heads in the model "
-                f"({s.n_kv_heads})")
     return None
+
+
+def refusal(text: str) -> str | None:
+    """The root's own refusal of this model or node count in its output, as it printed it, or None."""
+    m = REFUSAL.search(text)
+    return f"unsupported: {m.group(0).strip()}" if m else None
 
 
 def run(src: Path, rig: Rig, job: Job, on_first_token: callable, model: Path, tokenizer: Path,  # type: ignore[valid-type]
@@ -223,6 +231,8 @@ def run(src: Path, rig: Rig, job: Job, on_first_token: callable, model: Path, to
     if code is None:
         return Outcome("failed", split=split, error=f"the root did not finish within {job.timeout_s:.0f} s")
     preds = [int(a) + int(b) for a, b in PRED.findall(text)]
+    if code != 0 and (why := refusal(text)):
+        return Outcome("unsupported", split=split, error=why)
     if code != 0 or not preds:
         dead = [w.name for w in workers if w.proc.poll() is not None]
         return Outcome("failed", split=split, error=f"dllama inference exited with status {code}"
