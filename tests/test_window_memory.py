@@ -254,3 +254,30 @@ def test_windows_that_fit_are_read_in_and_warmed_up_before_the_load_returns(mode
             assert w is not None and w.kv_pos_max(0) == -1
     finally:
         device.close()
+
+
+def test_a_streaming_device_reads_its_kept_part_and_first_window_before_the_load_returns(model_dir, tmp_path) -> None:
+    """A device whose windows do not fit keeps part of every layer for good and streams the rest: the kept part and
+    the first window's streamed part are read in before the load returns, as for windows that fit, so that the
+    first request does not wait on a cold disk (W2 of benchmarks/peers.py: its TTFT was 3x its TPOT)."""
+    from primaplug.device import DeviceWindows, MemorySettings
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(synthetic_path(model_dir, "llama", 9, "Q4_K_M").read_bytes())
+    os.sync()
+    layout = read_layout(path)
+    ranges = [LayerRange(0, 3), LayerRange(5, 9)]
+    memory = MemorySettings(budget_bytes=sum(layout.layer_bytes(il) for r in ranges for il in range(r.start, r.end)) * 4 // 5)
+    DeviceWindows.load(path, layout, ranges, context=SETTINGS, memory=memory).close()  # the copy, once
+    device = DeviceWindows.load(path, layout, ranges, context=SETTINGS, memory=memory)
+    try:
+        plan = device.plan.prefetch
+        assert plan.mode == "stream" and plan.keep and device.prefetcher is not None
+        source = device.prefetcher.path
+        device.close()
+        drop_file_cache(source)  # a cold disk, as after a reboot: everything the load needs is read again
+        device = DeviceWindows.load(path, layout, ranges, context=SETTINGS, memory=memory)
+        wanted = [*plan.keep, *plan.prefetch_ranges(0)]
+        assert resident_bytes(source, wanted) >= 0.95 * sum(n for _, n in wanted) > 0
+    finally:
+        device.close()

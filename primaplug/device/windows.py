@@ -152,11 +152,14 @@ class DeviceWindows:
                                           on_route=experts.on_route if experts is not None else None)
             model.pause_threads()  # asleep until work comes (awake())
             prefetcher = Prefetcher(model.source, plan.prefetch, memory.switches) if used else None
-            if prefetcher is not None and plan.prefetch.mode == "resident":
-                # windows that fit are read in before the load counts as done, as plain llama.cpp maps its file
-                # with MAP_POPULATE: the first request would otherwise wait on that reading (on the emulated
-                # desktop of benchmarks/peers.py, 136 MB at 500 MB/s, a third of a second of its TTFT)
-                progress(0.5, f"reading windows {names} into memory")
+            if prefetcher is not None:
+                # what the first request needs is read in before the load counts as done, as plain llama.cpp maps
+                # its file with MAP_POPULATE: windows that fit, or a streaming device's kept part of every layer and
+                # its first window (what the token before would have read ahead). The first request would otherwise
+                # wait on that reading: on the emulated desktop of benchmarks/peers.py, W3's 136 MB at 500 MB/s
+                # was a third of a second of its TTFT, W2's kept 699 MiB at 125 MB/s most of its 9.9 s
+                progress(0.5, f"reading windows {names} into memory" if plan.prefetch.mode == "resident" else
+                         f"reading the kept part of windows {names} and the first window's streamed part")
                 prefetcher.wait_idle()
         except BaseException:
             if experts is not None:
