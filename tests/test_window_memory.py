@@ -267,7 +267,8 @@ def test_a_streaming_device_reads_its_kept_part_and_first_window_before_the_load
     os.sync()
     layout = read_layout(path)
     ranges = [LayerRange(0, 3), LayerRange(5, 9)]
-    memory = MemorySettings(budget_bytes=sum(layout.layer_bytes(il) for r in ranges for il in range(r.start, r.end)) * 4 // 5)
+    windows_bytes = sum(layout.layer_bytes(il) for r in ranges for il in range(r.start, r.end))
+    memory = MemorySettings(budget_bytes=windows_bytes * 4 // 5)  # room to keep part of every layer
     DeviceWindows.load(path, layout, ranges, context=SETTINGS, memory=memory).close()  # the copy, once
     device = DeviceWindows.load(path, layout, ranges, context=SETTINGS, memory=memory)
     try:
