@@ -91,3 +91,61 @@ def test_refusals_are_logged_once_per_peer_and_interval(caplog: pytest.LogCaptur
     assert "a peer at 10.0.0.6: bad key" in lines[2] and "a peer at fd00::0:" in lines[3]
     assert f"more than {_REJECTIONS_KEPT} peers refused" in lines[-1]
     assert len(rejections._lines) <= _REJECTIONS_KEPT + 1
+
+
+def test_a_key_holder_gets_through_and_no_asyncio_is_loaded(tmp_path: Path) -> None:
+    """The key check is primaplug's own ZAP thread (transport/zap.py): pyzmq's runs on asyncio, whose import took
+    1.5-2 MiB of every node and head. In a fresh process, with keys, a holder of the cluster key reaches the server
+    on both kinds of socket, and neither asyncio nor ssl is loaded."""
+    import subprocess
+    import sys
+
+    from primaplug.transport import generate_keys
+
+    generate_keys(tmp_path / "cluster.key")
+    probe = (
+        "import sys\n"
+        "from primaplug.transport import ZmqTransport, load_keys\n"
+        "keys = load_keys(sys.argv[1])\n"
+        "server, client = ZmqTransport(keys), ZmqTransport(keys)\n"
+        "inbox, control = server.ring_in('127.0.0.1', 0), server.control_server('127.0.0.1', 0)\n"
+        "out, asker = client.ring_out(inbox.address), client.control_client(control.address)\n"
+        "out.send([b'row'], 5.0)\n"
+        "asker.send(b'hello')\n"
+        "got = inbox.recv(5.0)\n"
+        "asked = control.recv(5.0)\n"
+        "print(got is not None and list(got) == [b'row'], asked is not None,\n"
+        "      sorted({'asyncio', 'ssl'} & set(sys.modules)))\n"
+        "for s in (out, asker, inbox, control):\n"
+        "    s.close()\n"
+        "client.close(); server.close()\n")
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "cluster.key")], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.split("\n")[0] == "True True []", out.stdout + out.stderr
+
+
+def test_the_key_check_answers_what_libzmq_asks() -> None:
+    """ZAP (RFC 27): a CURVE request with the cluster key is admitted with 200, another key or mechanism or a
+    malformed request is refused with 400, and each refusal is reported with the peer's address."""
+    import zmq
+
+    from primaplug.transport.zap import KeyGate
+
+    secret_public, secret = zmq.curve_keypair()
+    other_public, _ = zmq.curve_keypair()
+    refused: list[tuple[str, str]] = []
+    ctx = zmq.Context()
+    gate = KeyGate(ctx, secret_public, lambda why, peer: refused.append((why, peer)))
+    try:
+        def ask(mechanism: bytes, *credentials: bytes) -> list[bytes]:
+            return gate.answer([b"1.0", b"7", b"", b"10.0.0.9", b"", mechanism, *credentials])
+
+        assert ask(b"CURVE", zmq.utils.z85.decode(secret_public))[:3] == [b"1.0", b"7", b"200"]
+        assert ask(b"CURVE", zmq.utils.z85.decode(other_public))[2] == b"400"
+        assert ask(b"NULL")[2] == b"400"
+        assert gate.answer([b"2.0", b"8"])[:3] == [b"1.0", b"8", b"400"]
+        assert [peer for _, peer in refused] == ["10.0.0.9", "10.0.0.9"]
+        assert "not this cluster's" in refused[0][0] and "does not speak CurveZMQ" in refused[1][0]
+    finally:
+        gate.sock.close()
+        ctx.term()

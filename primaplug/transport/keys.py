@@ -10,7 +10,6 @@ transport and type hints use without loading ZeroMQ.
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +41,8 @@ def generate_keys(path: str | os.PathLike[str]) -> ClusterKeys:
 
 
 def load_keys(path: str | os.PathLike[str]) -> ClusterKeys:
+    import tomllib  # here, not at the top: 0.6 MiB in every node and head, and only a process with keys reads them
+
     p = Path(path)
     try:
         data = tomllib.loads(p.read_text())

@@ -14,19 +14,19 @@ import itertools
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Sequence
 
 import zmq
-import zmq.auth.thread
-import zmq.utils.monitor
 
 from primaplug.core.errors import ConfigError
 from primaplug.core.settings import MAX_CONTROL_MESSAGE_BYTES, MAX_RING_MESSAGE_BYTES
 from primaplug.transport.addresses import endpoint, is_loopback, split_address
 from primaplug.transport.base import Frames
 from primaplug.transport.keys import ClusterKeys
+from primaplug.transport.zap import KeyGate
 
 log = logging.getLogger(__name__)
 
@@ -85,32 +85,6 @@ class _Rejections:
         again = f" ({more} more time(s) in the last {REJECTIONS_LOG_S:.0f} s)" if more else ""
         log.warning("rejected %s%s: %s%s (give it the cluster key file made by `primaplug keygen`)", who, to, why,
                     again)
-
-
-class _Authenticator(zmq.auth.thread.ThreadAuthenticator):
-    """pyzmq's ZAP handler, keeping the address of the request it is checking: the key callback is given only the
-    domain and the key, and a refusal should name the peer. Requests are checked one at a time, on one thread."""
-
-    peer = ""
-
-    async def handle_zap_message(self, msg: list[bytes]) -> None:
-        self.peer = msg[3].decode("utf-8", "replace") if len(msg) > 3 else ""  # ZAP: version, id, domain, address
-        await super().handle_zap_message(msg)
-
-
-class _KeyCheck:
-    """ZAP callback: lets in only clients that hold the cluster key, and logs the others with their address."""
-
-    def __init__(self, keys: ClusterKeys, auth: _Authenticator, rejections: _Rejections) -> None:
-        self.public, self.auth, self.rejections = keys.public, auth, rejections
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        z85 = zmq.utils.z85.encode(key) if len(key) == 32 else key  # pyzmq hands over the Z85 form
-        ok = z85 == self.public
-        if not ok:
-            held = z85.decode("ascii", "replace")[:8]
-            self.rejections.note(f"it holds key {held}..., not this cluster's", self.auth.peer or None)
-        return ok
 
 
 # refusals libzmq makes before the key check; the key check (ZAP) logs its own, with the key (an "auth" failure)
@@ -187,9 +161,13 @@ class _HandshakeLog(threading.Thread):
         self.monitor.close()
 
     def _next(self, timeout_ms: int) -> dict | None:
+        """The next event, read as zmq.utils.monitor would (whose import brings asyncio: transport/zap.py): a
+        16-bit event id and a 32-bit value, then the endpoint."""
         if not self.monitor.poll(timeout_ms):
             return None
-        return zmq.utils.monitor.recv_monitor_message(self.monitor)
+        head, where = self.monitor.recv_multipart()
+        kind, value = struct.unpack("=Hi", head)
+        return {"event": kind, "value": value, "endpoint": where}
 
     def stop(self) -> None:
         self.stopping.set()
@@ -206,18 +184,16 @@ class ZmqTransport:
     def __init__(self, keys: ClusterKeys | None = None) -> None:
         self.keys = keys
         self.ctx = zmq.Context()
-        self._auth: _Authenticator | None = None
+        self._gate: KeyGate | None = None
         self._monitors: list[_HandshakeLog] = []
         self._rejections = _Rejections()  # one log of refused peers for all the sockets of this transport
 
     def _server(self, sock: zmq.Socket) -> None:
         if self.keys is None:
             return
-        if self._auth is None:
-            self._auth = _Authenticator(self.ctx, log=logging.getLogger(__name__ + ".zap"))
-            self._auth.start()
-            check = _KeyCheck(self.keys, self._auth, self._rejections)
-            self._auth.configure_curve_callback("*", credentials_provider=check)
+        if self._gate is None:
+            self._gate = KeyGate(self.ctx, self.keys.public, lambda why, peer: self._rejections.note(why, peer or None))
+            self._gate.start()
         sock.curve_secretkey = self.keys.secret
         sock.curve_publickey = self.keys.public
         sock.curve_server = True
@@ -279,9 +255,9 @@ class ZmqTransport:
         for m in self._monitors:
             m.stop()
         self._monitors.clear()
-        if self._auth is not None:
-            self._auth.stop()
-            self._auth = None
+        if self._gate is not None:
+            self._gate.stop()
+            self._gate = None
         self.ctx.destroy(linger=0)  # closes any socket an error path left open, instead of waiting for it
 
 
