@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1000)
     args = ap.parse_args()
     import primaplug
-    from benchmarks.peer_systems.primaplug_run import last_token
+    from benchmarks.peer_systems.primaplug_head import last_token
     from primaplug.engine import read_layout
     from primaplug.head.launch import LocalNodes
 

@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import need_charts  # noqa: E402
-from benchmarks.peer_systems import dllama, llama_rpc, prima_cpp, primaplug_run  # noqa: E402
+from benchmarks.peer_systems import dllama, llama_rpc, prima_cpp, primaplug_head, primaplug_run  # noqa: E402
 from benchmarks.peer_systems.base import Job, Outcome, ratio_split  # noqa: E402
 from benchmarks.peer_systems.rig import Rig  # noqa: E402
 from benchmarks.testbed.cgroups import CgroupUnavailableError  # noqa: E402
@@ -145,7 +145,7 @@ def reference(model: Path, tokens: int) -> dict[str, Any]:
         llm.eval(prompt)
         out = []
         for i in range(tokens):
-            out.append(primaplug_run.last_token(llm))
+            out.append(primaplug_head.last_token(llm))
             if i + 1 < tokens:
                 llm.eval([out[-1]])
         vocab = llama_cpp.llama_model_get_vocab(llm.model)

@@ -14,7 +14,8 @@ import pytest
 from benchmarks.peer_systems import dllama
 from benchmarks.peer_systems.base import Outcome, llama_perf, ratio_split, stdout_tpot
 from benchmarks.testbed import cgroups
-from benchmarks.testbed.linkproxy import LinkProxy, RemoteLinks
+from benchmarks.testbed.linkclient import RemoteLinks
+from benchmarks.testbed.linkproxy import LinkProxy
 
 PRIMA_2024 = (  # prima.cpp's rank 0 at exit, as printed (its lines are longer than ours)
     "llama_perf_sampler_print:    sampling time =       0.26 ms /    58 runs   "
@@ -274,3 +275,18 @@ def test_a_device_s_cpu_time_at_the_last_token_lies_between_the_watch_s_samples_
     assert watch.cpu_at(10.1) == [pytest.approx(1.2), None]
     assert watch.cpu_at(9.0) == [pytest.approx(1.0), None]  # before the first sample: the first
     assert watch.cpu_at(11.0) == [pytest.approx(1.6), None]  # after the last: the last
+
+
+def test_primaplug_s_head_process_carries_none_of_the_harness() -> None:
+    """The head runs on an emulated device, and all it holds counts in that device's memory pressure: its module
+    imports the link proxy's client and primaplug, not the rig, the proxy or their asyncio (2.1 MiB, measured when
+    it did)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, benchmarks.peer_systems.primaplug_head\n"
+             "print(sorted(m for m in sys.modules if m in ('asyncio', 'ssl') or m.startswith('benchmarks.')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == ("['benchmarks.peer_systems', 'benchmarks.peer_systems.primaplug_head', "
+                                  "'benchmarks.testbed', 'benchmarks.testbed.linkclient']"), out.stdout + out.stderr

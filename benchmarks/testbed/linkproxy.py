@@ -11,7 +11,8 @@ the same commands from other processes):
                                                       device that sends on it in its trace (TRACE_ENV), as
                                                       "A" or "A>B" (B: the target's device, which answers)
     quit
-`LinkProxy` in this module starts and drives such a process; `RemoteLinks` drives it from another process.
+`LinkProxy` in this module starts and drives such a process; `RemoteLinks` (linkclient.py) drives it from another
+process.
 """
 
 from __future__ import annotations
@@ -159,30 +160,6 @@ class LinkProxy:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
-
-
-class RemoteLinks:
-    """Links from another process than the one that started the proxy: `route` as LinkProxy's, over its control
-    endpoint (LinkProxy.control)."""
-
-    def __init__(self, control: str) -> None:
-        import socket
-
-        host, port = control.removeprefix("tcp://").rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)))
-        self.file = self.sock.makefile("rw")
-
-    def route(self, endpoint: str, latency_ms: float, mbit: float, sender: str = "") -> str:
-        host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-        self.file.write(f"add {host.strip('[]')} {port} {latency_ms} {mbit} 0 {sender}\n")
-        self.file.flush()
-        line = self.file.readline().strip()
-        if not line.startswith("tcp://"):
-            raise RuntimeError(f"the link proxy did not start a link to {endpoint}: {line or 'it closed'}")
-        return line
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def _measure_rtt(endpoint: str, n: int = 20) -> float:
