@@ -30,6 +30,7 @@ from primaplug.head.events import Deployed, Events, NodeMetrics, NodeProgress, N
 from primaplug.head.identity import Head
 from primaplug.head.nodes import NodeClient
 from primaplug.head.ring import RingHead
+from primaplug.memory.heap import return_freed_memory
 from primaplug.scheduler import Plan
 from primaplug.store import HolderService, file_manifest, piece_plan
 from primaplug.store.manifest import needed_units
@@ -306,6 +307,21 @@ class Cluster:
         """(latency in s, bandwidth in bytes/s) of one hop, measured over the ring itself: every node relays
         probes of 1 and of `rows` hidden rows round the ring, len(nodes) + 1 hops a trip, and the fastest trip of
         each size counts; each hop gets its share (which includes a node's decode, check and send)."""
+        times = self._time_probes(rows, repeats)
+        # the probes' rows, freed, stay in the heap where glibc keeps them: 5.7 MiB of the head on the peers' W1
+        # model, 3% of its device there (docs/peers.md). A node maps such blocks (memory/heap.py); a head, maybe in a
+        # user's process, leaves the allocator as it is and hands them back once they are all freed
+        return_freed_memory()
+        hops = len(self.nodes) + 1
+        extra = times[rows] - times[1]
+        if extra <= 0:  # the larger probe no slower than one row: a link faster than the clock tells apart
+            log.warning("the ring's links moved %d rows no slower than 1; taking them as 10 GB/s", rows)
+            extra = hops * (rows - 1) * 4 * self.model.n_embd / 10e9
+        bps = hops * (rows - 1) * 4 * self.model.n_embd / extra
+        return times[1] / hops, bps
+
+    def _time_probes(self, rows: int, repeats: int) -> dict[int, float]:
+        """The fastest trip round the ring of a probe of 1 and of `rows` rows (the nodes relay them)."""
         s, epoch = self.settings, self.epoch - 1
         for i, n in enumerate(self.nodes):
             n.load(Assignment(epoch=epoch, model=self.model, windows=(WindowSpec(0, 0),), successor=self._successor(i),
@@ -338,13 +354,7 @@ class Cluster:
                     n.unload()
                 except (NodeError, NodeUnavailableError) as e:  # already said, or about to be
                     log.warning("%s", e)
-        hops = len(self.nodes) + 1
-        extra = times[rows] - times[1]
-        if extra <= 0:  # the larger probe no slower than one row: a link faster than the clock tells apart
-            log.warning("the ring's links moved %d rows no slower than 1; taking them as 10 GB/s", rows)
-            extra = hops * (rows - 1) * 4 * self.model.n_embd / 10e9
-        bps = hops * (rows - 1) * 4 * self.model.n_embd / extra
-        return times[1] / hops, bps
+        return times
 
     def _lost(self, what: str, detail: str) -> NodeUnavailableError:
         """The error for a message that did not come back round the ring: names the first node that no longer
