@@ -2,9 +2,10 @@
 
 libzmq asks the handler bound at `inproc://zeromq.zap.01` of the socket's context about every CurveZMQ handshake,
 with the client's public key. pyzmq's own handler (zmq.auth.thread) runs on asyncio, whose import (ssl with it)
-is 5.9 MiB of anonymous memory in every node and head, taken from the apps on the device, whether or not the ring
-ever leaves the machine (python -c probe on the 2-core test machine, 2026-11-29). This one is a thread on a plain
-socket, started only when the process has keys.
+held 1.5-2 MiB of anonymous memory in every node and head, taken from the apps on the device, whether or not the
+ring ever leaves the machine (5.9 MiB in a bare interpreter, less in a node that loads some of the same modules
+anyway; benchmarks/results/LOG.md, 2026-11-29). This one is a thread on a plain socket, started only when the
+process has keys.
 """
 
 from __future__ import annotations
