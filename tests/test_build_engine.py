@@ -83,6 +83,27 @@ def test_key_follows_flags_and_patches(build, monkeypatch, tmp_path) -> None:
     assert build.patch_digest() != digest
 
 
+def test_a_native_build_under_a_hypervisor_that_advertises_amx_leaves_amx_out(build, monkeypatch) -> None:
+    """ggml's AMX kernels died of SIGILL on a VM whose CPU advertised AMX (build.py: NO_AMX_FLAGS): a native build
+    there is made without them, and the key says so; a build that is not native, or a CPU without AMX, keeps its
+    flags."""
+    flags = "flags\t\t: fpu sse4_2 avx2 avx512f avx512_vnni"
+    vm = "processor\t: 0\n" + flags + " amx_tile amx_int8 hypervisor\n"
+    assert build.amx_under_hypervisor(vm)
+    assert not build.amx_under_hypervisor(vm.replace(" hypervisor", ""))  # bare metal: AMX runs
+    assert not build.amx_under_hypervisor(vm.replace(" amx_int8", ""))
+    assert not build.amx_under_hypervisor("")
+    monkeypatch.setattr(build, "amx_under_hypervisor", lambda cpuinfo=None: False)
+    plain = build.build_key("cpu")
+    assert not set(build.NO_AMX_FLAGS) & set(build.cmake_flags("cpu"))
+    monkeypatch.setattr(build, "amx_under_hypervisor", lambda cpuinfo=None: True)
+    assert set(build.NO_AMX_FLAGS) <= set(build.cmake_flags("cpu"))
+    assert set(build.NO_AMX_FLAGS) <= set(build.cmake_flags("cuda"))  # a CUDA build's CPU backend too
+    assert build.build_key("cpu") != plain
+    monkeypatch.setenv("PRIMAPLUG_CMAKE_ARGS", "-DGGML_NATIVE=OFF")
+    assert not set(build.NO_AMX_FLAGS) & set(build.cmake_flags("cpu"))
+
+
 def test_label_says_which_patches_and_any_backend_is_accepted(build, monkeypatch, tmp_path) -> None:
     for gpu in build.GPU_FLAGS:
         label = build.engine_label(gpu, build.build_key(gpu))

@@ -4,7 +4,9 @@ client (`llama-completion`) on the first with `--rpc`. Layers offloaded with `-n
 does not map a file), so a share larger than a device's memory is killed there.
 
 Built here, once, from the vendored llama.cpp of the pinned llama-cpp-python sdist (the engine's own source, before
-primaplug's patches), with `GGML_RPC=ON`: plain upstream code, llama.cpp's default flags otherwise.
+primaplug's patches), with `GGML_RPC=ON`: plain upstream code, llama.cpp's default flags otherwise, except where
+primaplug's engine leaves out ggml's AMX kernels (a VM that advertises AMX: primaplug/engine/build.py, NO_AMX_FLAGS),
+which they kill here as they kill plain llama-cpp-python.
 
 Its own placement: llama.cpp splits by each device's free memory, which for a CPU device is its total memory
 (ggml-cpu's `get_memory` reads `sysconf`, which no cgroup changes). On real devices that is each device's RAM, so
@@ -42,12 +44,19 @@ FLAGS = ["-DGGML_RPC=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_TESTS=OFF", "
 TARGETS = ["ggml-rpc-server", "llama-completion"]
 
 
+def flags() -> list[str]:
+    """FLAGS, and the engine's AMX exception where it applies."""
+    from primaplug.engine import build as engine
+
+    return FLAGS + (engine.NO_AMX_FLAGS if engine.amx_under_hypervisor() else [])
+
+
 def build(cache: Path, log: Path) -> Path:
     """The RPC server and client, built once per sdist and flags (cached under `cache`); returns their bin folder."""
     from primaplug.engine import build as engine
 
     sdist = engine.fetch_sdist(sys.executable, sys.stderr)
-    key = hashlib.sha256((engine.SDIST_SHA256 + json.dumps(FLAGS + TARGETS)).encode()).hexdigest()[:12]
+    key = hashlib.sha256((engine.SDIST_SHA256 + json.dumps(flags() + TARGETS)).encode()).hexdigest()[:12]
     out = cache / f"llama.cpp-rpc-{engine.VERSION}-{key}"
     if all((out / "bin" / t).exists() for t in TARGETS):
         return out / "bin"
@@ -57,7 +66,7 @@ def build(cache: Path, log: Path) -> Path:
     with tempfile.TemporaryDirectory() as tmp, open(log, "w") as lf:
         src = engine.unpack_source(sdist, Path(tmp)) / "vendor" / "llama.cpp"
         build_dir = Path(tmp) / "build"
-        for cmd in (["cmake", "-S", str(src), "-B", str(build_dir), *FLAGS],
+        for cmd in (["cmake", "-S", str(src), "-B", str(build_dir), *flags()],
                     ["cmake", "--build", str(build_dir), "-j", str(os.cpu_count() or 2), "--target", *TARGETS]):
             if subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT).returncode != 0:
                 raise RuntimeError(f"building llama.cpp's RPC tools failed: see {log}")
@@ -67,7 +76,7 @@ def build(cache: Path, log: Path) -> Path:
         for f in (build_dir / "bin").iterdir():  # the programs and the shared libraries beside them
             if f.is_file():
                 shutil.copy2(f, tmp_out / "bin" / f.name)
-        (tmp_out / "build.json").write_text(json.dumps({"sdist": sdist.name, "flags": FLAGS, "targets": TARGETS}))
+        (tmp_out / "build.json").write_text(json.dumps({"sdist": sdist.name, "flags": flags(), "targets": TARGETS}))
         tmp_out.rename(out)
     return out / "bin"
 
@@ -76,7 +85,7 @@ def build_info(bin_dir: Path) -> dict[str, str]:
     from primaplug.engine import build as engine
 
     return {"commit": f"llama.cpp vendored in llama-cpp-python {engine.VERSION} (sdist sha256 "
-                      f"{engine.SDIST_SHA256[:12]})", "flags": " ".join(FLAGS), "binary": " ".join(TARGETS)}
+                      f"{engine.SDIST_SHA256[:12]})", "flags": " ".join(flags()), "binary": " ".join(TARGETS)}
 
 
 def memory_split(rig: Rig, n_layer: int) -> tuple[int, ...]:

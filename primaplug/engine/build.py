@@ -144,7 +144,30 @@ def cpu_fingerprint() -> str:
 
 def cmake_flags(gpu: str) -> list[str]:
     extra = os.environ.get("PRIMAPLUG_CMAKE_ARGS", "").split()
-    return BASE_FLAGS + GPU_FLAGS[gpu] + extra
+    native = "-DGGML_NATIVE=OFF" not in extra
+    return BASE_FLAGS + GPU_FLAGS[gpu] + (NO_AMX_FLAGS if native and amx_under_hypervisor() else []) + extra
+
+
+# ggml's AMX matrix kernels are built wherever -march=native says the CPU has AMX-INT8 (__AMX_INT8__). On a virtual
+# machine whose CPU advertised AMX (2026-11-29, Xeon under a hypervisor), every prompt then died of SIGILL inside
+# ggml_backend_amx_mul_mat, plain llama-cpp-python's included, while small AMX programs ran there: no probe tells
+# such a machine apart, so a native build under a hypervisor leaves AMX out (the rest of -march=native stays).
+# AMX speeds up prompts on Xeon servers, not on the home devices primaplug is for.
+NO_AMX_FLAGS = ["-DCMAKE_C_FLAGS=-mno-amx-int8", "-DCMAKE_CXX_FLAGS=-mno-amx-int8"]
+
+
+def amx_under_hypervisor(cpuinfo: str | None = None) -> bool:
+    """Whether this is an x86-64 Linux CPU that advertises AMX-INT8 under a hypervisor (see NO_AMX_FLAGS); `cpuinfo`:
+    the text of /proc/cpuinfo (read when None)."""
+    if cpuinfo is None:
+        if sys.platform != "linux" or platform.machine() != "x86_64":
+            return False
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), "").split()
+    return "amx_int8" in flags and "hypervisor" in flags
 
 
 def local_source() -> Path | None:
