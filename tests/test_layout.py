@@ -172,3 +172,32 @@ def _header_only(path, arch: str, keys: dict, tensors: dict):  # noqa: ANN001, A
     w.write_tensors_to_file()
     w.close()
     return read_layout(path)
+
+
+def test_long_arrays_are_stepped_over_unread_and_a_cut_one_is_named() -> None:
+    """A vocabulary (strings), scores (floats) and an array of arrays longer than the parser decodes give their
+    length, and what follows them is read right; a header cut inside one is refused as truncated."""
+    import struct
+
+    import pytest
+
+    from primaplug.core import ModelFormatError
+    from primaplug.engine.layout import _MAX_DECODED_ARRAY, _Cursor
+
+    n = _MAX_DECODED_ARRAY + 5
+    words = [f"tok{i}" + "x" * (i % 13) for i in range(n)]
+    strings = struct.pack("<IIQ", GGUFValueType.ARRAY, GGUFValueType.STRING, n) + b"".join(
+        struct.pack("<Q", len(w)) + w.encode() for w in words)
+    floats = struct.pack("<IIQ", GGUFValueType.ARRAY, GGUFValueType.FLOAT32, n) + struct.pack(f"<{n}f", *range(n))
+    pair = struct.pack("<IQ", GGUFValueType.INT32, 2) + struct.pack("<2i", 1, 2)
+    nested = struct.pack("<IIQ", GGUFValueType.ARRAY, GGUFValueType.ARRAY, n) + pair * n
+    after = struct.pack("<II", GGUFValueType.UINT32, 7)
+    short = struct.pack("<IIQ", GGUFValueType.ARRAY, GGUFValueType.STRING, 2) + b"".join(
+        struct.pack("<Q", len(w)) + w.encode() for w in ("a", "bc"))
+    buf = strings + floats + nested + short + after
+    cur = _Cursor(buf, "model.gguf")
+    values = [cur.value(int(cur.unpack("<I"))) for _ in range(5)]
+    assert values == [n, n, n, ["a", "bc"], 7] and cur.pos == len(buf)
+    cur = _Cursor(strings[: len(strings) // 2], "model.gguf")
+    with pytest.raises(ModelFormatError, match="truncated"):
+        cur.value(int(cur.unpack("<I")))

@@ -57,6 +57,7 @@ _SCALAR = {
     GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
     GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
 }
+_U64 = struct.Struct("<Q")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.")
 # arrays longer than this (vocabularies, merges) are skipped, not decoded
 _MAX_DECODED_ARRAY = 4096
@@ -420,16 +421,34 @@ class _Cursor:
         self.pos += n
         return s
 
+    def skip(self, etype: int, count: int) -> None:
+        """Step over an array's `count` items unread: a vocabulary's strings only by their lengths (decoding Gemma 3's
+        262k tokens took 1.3 s of every node's start on a 2-core machine, and every head's)."""
+        if etype in _SCALAR:
+            self.pos += struct.calcsize(_SCALAR[GGUFValueType(etype)]) * count
+        elif etype == GGUFValueType.STRING:
+            buf, pos, length = self.buf, self.pos, _U64.unpack_from
+            try:
+                for _ in range(count):
+                    pos += 8 + length(buf, pos)[0]
+            except struct.error:
+                pos = len(buf) + 1
+            self.pos = pos
+        else:  # arrays of arrays: item by item
+            for _ in range(count):
+                self.value(etype)
+        if self.pos > len(self.buf):
+            raise ModelFormatError(self.path, "the GGUF header is truncated")
+
     def value(self, vtype: int) -> Any:
         if vtype == GGUFValueType.STRING:
             return self.string()
         if vtype == GGUFValueType.ARRAY:
             etype, count = int(self.unpack("<I")), int(self.unpack("<Q"))
-            if etype in _SCALAR and count > _MAX_DECODED_ARRAY:
-                self.pos += struct.calcsize(_SCALAR[GGUFValueType(etype)]) * count
+            if count > _MAX_DECODED_ARRAY:
+                self.skip(etype, count)
                 return count
-            items = [self.value(etype) for _ in range(count)]
-            return count if count > _MAX_DECODED_ARRAY else items
+            return [self.value(etype) for _ in range(count)]
         try:
             return self.unpack(_SCALAR[GGUFValueType(vtype)])
         except (KeyError, ValueError):

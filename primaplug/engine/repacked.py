@@ -307,7 +307,10 @@ def _build(layout: ModelLayout, path: Path, manifest: dict, missing: list[str], 
             # llama.cpp repacks only what CPU layers and the output layer multiply by; a tied lm_head's repacked
             # copy of the token embedding is reported too, but the file's embedding must stay as it is
             cpu = {t.name: t for u in load.units if _runs_on_cpu(u) for t in unit_tensors(layout, u) if t.name in spans}
-            repacked.update(_repack(layout, load.units, cpu, fd_out, only=load.only))
+            # a load of weights this CPU repacks none of would be a model load for nothing: Gemma 3 270M through a
+            # 1 MiB budget on an AVX-512 Xeon was 110 loads of 0.6 s, copying every byte as it is
+            if any(repacks(t) for t in cpu.values()):
+                repacked.update(_repack(layout, load.units, cpu, fd_out, only=load.only))
             for name, span in spans.items():
                 if name not in repacked:
                     _copy_range(fd_in, fd_out, span.offset, span.nbytes)
