@@ -76,8 +76,8 @@ def tokens(models: dict[str, Path]) -> dict[str, list[int]]:
         gemma = vocab.tokenize((TEXT * 40).encode())
     finally:
         vocab.close()
-    synthetic = {name: [3 + (i * 7919) % (read_layout(models[name]).n_vocab - 3) for i in range(1200)]
-                 for name in SYNTHETIC}
+    n_vocab = {name: read_layout(models[name]).n_vocab for name in SYNTHETIC}  # once a model, not once a token
+    synthetic = {name: [3 + (i * 7919) % (n_vocab[name] - 3) for i in range(1200)] for name in SYNTHETIC}
     return {"gemma": gemma, **synthetic}
 
 
