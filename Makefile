@@ -21,7 +21,7 @@ run: setup
 plan: setup
 	$(PY) -m primaplug plan --local-nodes 3
 
-# the 20 slowest tests are listed at the end, to keep the suite inside its budget (15 minutes on a cold cache).
+# the 20 slowest tests are listed at the end, to keep the suite inside its budget (12 minutes with a cold engine build).
 # Two workers, a test file each at a time (pytest-xdist), the compute-bound files never two at once
 # (tests/conftest.py, COMPUTE_BOUND): much of the suite waits (nodes starting, a lost node's timeout, heartbeats).
 # The slow rung (the Docker image, minutes) is left out: `make test-slow` runs it.
