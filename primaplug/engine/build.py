@@ -127,13 +127,17 @@ def patch_digest() -> str:
     return h.hexdigest()[:12]
 
 
+def _flags_line(cpuinfo: str) -> str:
+    """The CPU's features in /proc/cpuinfo's text: its `flags` line (x86) or `Features` line (ARM)."""
+    return next((ln for ln in cpuinfo.splitlines() if ln.startswith(("flags", "Features"))), "")
+
+
 def cpu_fingerprint() -> str:
     """Features the compiler's -march=native sees; a wheel built for one CPU may crash on another."""
     text = ""
     try:
         text = Path("/proc/cpuinfo").read_text()
-        flags = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
-        return hashlib.sha256(flags.encode()).hexdigest()[:16]
+        return hashlib.sha256(_flags_line(text).encode()).hexdigest()[:16]
     except OSError:
         pass
     if sys.platform == "darwin":
@@ -166,7 +170,7 @@ def amx_under_hypervisor(cpuinfo: str | None = None) -> bool:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
             return False
-    flags = next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), "").split()
+    flags = _flags_line(cpuinfo).split()
     return "amx_int8" in flags and "hypervisor" in flags
 
 
