@@ -8,9 +8,15 @@ from typing import Any
 
 import numpy as np
 
+# Compute threads per process. `make test` runs two workers on two cores, and ggml's threads spin at the barriers
+# between a graph's ops: two threads a process beside the other worker's wait out a time slice at each barrier (a
+# synthetic model's streamed test took 0.9 s alone and 17 s beside two busy cores). Tests of the threads
+# themselves (test_engine_affinity, test_ring's idle nodes) set their own.
+THREADS = 1
+
 # the sizes every ring test uses, for the ring and for plain llama-cpp-python alike
-LLAMA_KWARGS: dict[str, Any] = dict(n_ctx=256, n_batch=64, n_ubatch=32, n_threads=2, logits_all=True,
-                                    verbose=False)
+LLAMA_KWARGS: dict[str, Any] = dict(n_ctx=256, n_batch=64, n_ubatch=32, n_threads=THREADS, n_threads_batch=THREADS,
+                                    logits_all=True, verbose=False)
 
 
 def greedy_scores(llm: Any, prompt: Sequence[int], steps: int) -> tuple[list[int], np.ndarray]:

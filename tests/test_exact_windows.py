@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.ring_helpers import LLAMA_KWARGS, assert_same, greedy_scores
+from tests.ring_helpers import LLAMA_KWARGS, THREADS, assert_same, greedy_scores
 
 MiB = 1 << 20
 
@@ -123,7 +123,7 @@ def test_without_the_copy_the_kernels_round_differently(model_dir: Path) -> None
     from tests.conftest import synthetic_path
 
     path = synthetic_path(model_dir, "llama", 9, "Q4_K_M")
-    settings = ContextSettings(n_ctx=256, n_batch=64, n_ubatch=32, n_threads=2)
+    settings = ContextSettings(n_ctx=256, n_batch=64, n_ubatch=32, n_threads=THREADS)
     prompt = [3 + 5 * i for i in range(40)]
     windows = [LayerRange(0, 5), LayerRange(5, 9)]
     with plain_llama_forward(path, settings) as plain:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from primaplug.memory.experts import ExpertCache, Router
+from tests.ring_helpers import THREADS
 
 N_EXPERT, SLICE = 8, 3 * 4096  # 3 tensors a layer, each expert's slice of each 12 KiB
 
@@ -131,7 +132,7 @@ def test_a_window_tells_each_layers_choice_and_computes_the_same(model_dir: Path
     layout = read_layout(path)
     routers = load_routers(range(layout.n_layer), layout.read_tensor, gating=layout.expert_gating,
                            groups=layout.expert_groups, groups_used=layout.expert_groups_used)
-    settings = ContextSettings(n_ctx=128, n_batch=32, n_ubatch=16, n_threads=2)
+    settings = ContextSettings(n_ctx=128, n_batch=32, n_ubatch=16, n_threads=THREADS)
     tokens = list(range(5, 45))  # three micro-batches of 16
     seen: list[tuple[int, np.ndarray, np.ndarray | None]] = []
     with Model(path, [(0, 7)]) as m:

@@ -71,7 +71,7 @@ def test_a_head_whose_windows_do_not_fit_streams_them(streaming_model: Path, tmp
     prompt = [3 + 5 * i for i in range(40)]
     windows = [LayerRange(0, 4), LayerRange(4, 8)]
     settings = ContextSettings(n_ctx=LLAMA_KWARGS["n_ctx"], n_batch=LLAMA_KWARGS["n_batch"],
-                               n_ubatch=LLAMA_KWARGS["n_ubatch"], n_threads=2)
+                               n_ubatch=LLAMA_KWARGS["n_ubatch"], n_threads=LLAMA_KWARGS["n_threads"])
     with Model(streaming_model, windows) as m:
         chain = WindowChain(m, windows, settings=settings)
         expected, pos, logits = [], len(prompt), chain.forward(prompt, 0)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import synthetic_path
-from tests.ring_helpers import LLAMA_KWARGS, assert_same, greedy_scores
+from tests.ring_helpers import LLAMA_KWARGS, THREADS, assert_same, greedy_scores
 
 pytestmark = pytest.mark.multiproc
 
@@ -120,7 +120,7 @@ def test_ring_matches_plain_llama(nodes, models, model: str, layers, rounds: int
     finally:
         plain.close()
     split = dict(layers=layers) if layers else dict(scheduler="even")  # Halda would keep the model on the head
-    ring = primaplug.Llama(path, nodes=nodes.addresses, rounds=rounds, node_threads=2, **split, **LLAMA_KWARGS)
+    ring = primaplug.Llama(path, nodes=nodes.addresses, rounds=rounds, node_threads=THREADS, **split, **LLAMA_KWARGS)
     try:
         assert [n.name for n in ring.cluster.nodes] == nodes.names  # every node is in the ring
         got = greedy_scores(ring, prompt, STEPS)
@@ -140,7 +140,7 @@ def test_per_layer_inputs_travel_only_as_far_as_the_nodes_need_them(nodes, model
 
     path = models["gemma4_e2b_7"]
     layout = read_layout(path)
-    ring = primaplug.Llama(path, nodes=nodes.addresses, layers=(2, 1, 1, 3), node_threads=2, **LLAMA_KWARGS)
+    ring = primaplug.Llama(path, nodes=nodes.addresses, layers=(2, 1, 1, 3), node_threads=THREADS, **LLAMA_KWARGS)
     try:
         driver = ring._batcher.ring
         assert driver.keep_from == 4 and driver.entry is not None
@@ -171,7 +171,7 @@ def test_chat_completion_streams_the_same_text(nodes, models) -> None:
         expected = stream(plain)
     finally:
         plain.close()
-    ring = primaplug.Llama(models["gemma"], nodes=nodes.addresses, layers=(6, 4, 4, 4), node_threads=2, **kwargs)
+    ring = primaplug.Llama(models["gemma"], nodes=nodes.addresses, layers=(6, 4, 4, 4), node_threads=THREADS, **kwargs)
     try:
         got = stream(ring)
         assert len(got) > 3, "the completion should stream in several chunks"

@@ -11,6 +11,7 @@ from primaplug.core.errors import EngineError, WindowRangeError
 from primaplug.engine import ContextSettings, Model, read_layout
 from primaplug.engine.model import one_per_context
 from tests.conftest import synthetic_path
+from tests.ring_helpers import THREADS
 from tests.test_window_memory import _in_fresh_process, linux_only
 from tests.test_windows_match_llama import N_STEPS, SETTINGS, assert_rows_close, reference
 
@@ -73,7 +74,7 @@ def test_windows_on_one_context_keep_one_contexts_memory(model_dir) -> None:
     layout = read_layout(path)
     prompt = [int(t) for t in np.random.default_rng(3).integers(3, layout.n_vocab, size=64)]
     windows = [LayerRange(il, il + 1) for il in range(8)] + [LayerRange(8, 9)]
-    settings = ContextSettings(n_ctx=256, n_batch=64, n_ubatch=32)
+    settings = ContextSettings(n_ctx=256, n_batch=64, n_ubatch=32, n_threads=THREADS)
     apart_tokens, apart_growth, _ = _in_fresh_process(str(path), windows, settings, 4, prompt, False, True)
     shared_tokens, shared_growth, _ = _in_fresh_process(str(path), windows, settings, 4, prompt, True, True)
     assert shared_tokens == apart_tokens

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import synthetic_path
-from tests.ring_helpers import LLAMA_KWARGS
+from tests.ring_helpers import LLAMA_KWARGS, THREADS
 
 KWARGS = dict(LLAMA_KWARGS, logits_all=False)
 PROMPT = "The history of the Roman empire begins"
@@ -272,7 +272,7 @@ def test_a_draft_with_recurrent_layers_goes_back_to_the_state_it_kept(model_dir:
     path = synthetic_path(model_dir, "qwen35", 7, "Q8_0")
     greedy, rng = SamplingParams(temp=0.0), np.random.default_rng(0)
     prompt = list(range(10, 40))
-    draft = GgufDraft(path, n_ctx=256, n_batch=64, n_threads=2)
+    draft = GgufDraft(path, n_ctx=256, n_batch=64, n_threads=THREADS)
     try:
         assert draft.recurrent
         first, _ = draft.propose(np.array(prompt), 3, greedy, rng)
@@ -283,7 +283,7 @@ def test_a_draft_with_recurrent_layers_goes_back_to_the_state_it_kept(model_dir:
     finally:
         draft.close()
     for context, got in ((rejected, again), (kept + [7], last)):
-        fresh = GgufDraft(path, n_ctx=256, n_batch=64, n_threads=2)
+        fresh = GgufDraft(path, n_ctx=256, n_batch=64, n_threads=THREADS)
         try:
             assert fresh.propose(np.array(context), 3, greedy, rng)[0] == got
         finally:

@@ -15,8 +15,9 @@ from primaplug.engine import ContextSettings, Model, read_layout
 from primaplug.memory import drop_file_cache, resident_bytes
 from primaplug.profiler.model import compute_buffer_layers_bytes
 from tests.conftest import synthetic_path
+from tests.ring_helpers import THREADS
 
-SETTINGS = ContextSettings(n_ctx=256, n_batch=64, n_ubatch=32)
+SETTINGS = ContextSettings(n_ctx=256, n_batch=64, n_ubatch=32, n_threads=THREADS)
 
 
 def test_middle_window_leaves_lm_head_on_disk(gemma_path, tmp_path) -> None:

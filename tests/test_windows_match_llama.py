@@ -16,9 +16,10 @@ import pytest
 
 from primaplug.core import LayerRange, even_split
 from primaplug.engine import ContextSettings, Model, ModelLayout, WindowChain, read_layout
+from tests.ring_helpers import THREADS
 
 N_STEPS = 32
-SETTINGS = ContextSettings(n_ctx=256, n_batch=64, n_ubatch=32)
+SETTINGS = ContextSettings(n_ctx=256, n_batch=64, n_ubatch=32, n_threads=THREADS)
 
 
 def partitions(layout: ModelLayout) -> dict[str, tuple[list[LayerRange], bool]]:
@@ -49,7 +50,7 @@ def partitions(layout: ModelLayout) -> dict[str, tuple[list[LayerRange], bool]]:
 def reference(path: str, prompt: tuple[int, ...]) -> tuple[list[int], list[np.ndarray]]:
     """Greedy tokens and logit rows (every prompt row, then one per step) from an ordinary Llama."""
     llm = llama_cpp.Llama(path, n_ctx=SETTINGS.n_ctx, n_batch=SETTINGS.n_batch, n_ubatch=SETTINGS.n_ubatch,
-                          logits_all=True, verbose=False)
+                          n_threads=THREADS, n_threads_batch=THREADS, logits_all=True, verbose=False)
     try:
         llm.eval(list(prompt))
         rows = [llm.scores[i].copy() for i in range(len(prompt))]
