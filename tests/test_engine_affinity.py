@@ -106,3 +106,49 @@ def test_node_cpu_strict_flag(gemma_path: Path, tmp_path: Path) -> None:
     assert pinned["node1"] >= 1, "--cpu-strict 1: the pool's worker is pinned"
     assert pinned["node2"] == 0, "--cpu-strict 0: nothing is pinned"
     assert tokens["node1"] == tokens["node2"]
+
+
+@linux_only
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to narrow to one")
+def test_default_thread_counts_follow_the_cores_this_process_may_run_on() -> None:
+    """`docker --cpuset-cpus` and taskset narrow the cores a process may run on, and os.cpu_count() still counts the
+    machine's: one thread per core counts the narrowed cores (a thread per machine core would spin at ggml's
+    barriers while another waits for the one core)."""
+    from primaplug.core.settings import head_threads, usable_cores
+    from primaplug.engine import ContextSettings
+
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(mine)})  # this thread only (Linux masks are per thread)
+    try:
+        assert os.cpu_count() >= 2 and usable_cores() == 1
+        assert ContextSettings().threads == 1
+        assert head_threads(0, has_nodes=False) == head_threads(0, has_nodes=True) == 1
+    finally:
+        os.sched_setaffinity(0, mine)
+    assert usable_cores() == len(mine) and ContextSettings().threads == len(mine)
+
+
+@linux_only
+@pytest.mark.multiproc
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to narrow to one")
+def test_a_node_narrowed_to_one_core_counts_one(gemma_path: Path, tmp_path: Path) -> None:
+    """A node started under `taskset -c 0` tells the head it has one core, and refuses more threads than it can
+    run, counting that one core."""
+    from primaplug.core.errors import NodeError
+    from primaplug.engine import read_layout
+    from primaplug.head import NodeClient
+    from primaplug.head.launch import LocalNodes
+    from primaplug.node.daemon import THREADS_PER_CORE
+    from primaplug.transport import ZmqTransport
+    from primaplug.wire import Assignment, ModelIdentity, WindowSpec
+
+    one = min(os.sched_getaffinity(0))
+    with LocalNodes(gemma_path, 1, log_dir=tmp_path, preexec=[lambda: os.sched_setaffinity(0, {one})]) as local:
+        client = NodeClient(ZmqTransport(), local.nodes[0].address)
+        assert client.hello().device.cpu_count == 1
+        too_many = THREADS_PER_CORE + 1
+        a = Assignment(epoch=1, model=ModelIdentity.of(read_layout(gemma_path), gemma_path.name),
+                       windows=(WindowSpec(0, 2),), successor="tcp://127.0.0.1:9", n_ctx=64, n_batch=16, n_ubatch=16,
+                       n_threads=too_many)
+        with pytest.raises(NodeError, match=f"{too_many} compute threads on a device of 1 cores"):
+            client.load(a)

@@ -86,12 +86,22 @@ class RunSettings:
     listen: str = "127.0.0.1"  # where the head receives the ring's output
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity mask, which containers (`docker --cpuset-cpus`) and taskset
+    narrow, where os.cpu_count() counts the machine's. One compute thread per core means one per these: more would
+    spin at ggml's barriers while another waits for a core."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS has no affinity masks
+        return os.cpu_count() or 1
+
+
 def head_threads(n_threads: int, has_nodes: bool) -> int:
     """The head's compute threads. Alone, it uses every core; beside nodes it leaves half the cores to them (on one
     machine they share the cores; on several, the head also samples and runs the output layer between rounds)."""
     if n_threads > 0:
         return n_threads
-    cores = os.cpu_count() or 2
+    cores = usable_cores()
     return max(1, cores // 2) if has_nodes else cores
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from llama_cpp import llama_cpp as _ll
 
 from primaplug.core.errors import EngineError, WindowRangeError, no_gpu_backend
-from primaplug.core.settings import RunSettings
+from primaplug.core.settings import RunSettings, usable_cores
 from primaplug.core.windows import LayerRange
 from primaplug.engine import _log, _native
 from primaplug.engine.affinity import on_cpu, pinned_cpus
@@ -53,7 +53,7 @@ class ContextSettings:
     n_ctx: int = _RUN.n_ctx
     n_batch: int = _RUN.n_batch  # tokens per forward call handed to llama.cpp (longer inputs are split)
     n_ubatch: int = _RUN.n_ubatch  # tokens per compute step inside llama.cpp
-    n_threads: int = 0  # 0: one per CPU core
+    n_threads: int = 0  # 0: one per core this process may run on (usable_cores)
     n_seq_max: int = 1
     # off by default, as in llama_cpp.Llama: the two attention kernels round differently, and a split model
     # must reproduce the tokens of the whole one
@@ -83,7 +83,7 @@ class ContextSettings:
 
     @property
     def threads(self) -> int:
-        return self.n_threads or os.cpu_count() or 1
+        return self.n_threads or usable_cores()
 
     def params(self) -> _ll.llama_context_params:
         p = _ll.llama_context_default_params()

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from primaplug.core.errors import ConfigError, EngineError
+from primaplug.core.settings import usable_cores
 
 SPLIT = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -49,7 +50,7 @@ def merge_parts(parts: list[Path], out: Path, progress: Progress | None = None) 
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     params = _ll.llama_model_quantize_default_params()
     params.only_copy = True
-    params.nthread = os.cpu_count() or 1
+    params.nthread = usable_cores()
     done = threading.Event()
 
     def watch() -> None:  # llama.cpp's quantizer reports nothing while it copies: the file's growth says how far

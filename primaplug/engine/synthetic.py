@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from primaplug.core.errors import EngineError, ModelFormatError
+from primaplug.core.settings import usable_cores
 from primaplug.engine.layout import glm5_2_own_indexer
 
 if TYPE_CHECKING:  # gguf (3 MiB) loads when a model is written: `primaplug synth`'s parser reads the names below
@@ -759,7 +760,7 @@ def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], ftype: st
     _log.install()
     params = _ll.llama_model_quantize_default_params()
     params.ftype = FTYPES[ftype]
-    params.nthread = n_threads or os.cpu_count() or 1
+    params.nthread = n_threads or usable_cores()
     code = _ll.llama_model_quantize(os.fspath(src).encode(), os.fspath(dst).encode(), ctypes.byref(params))
     if code != 0:
         raise EngineError(f"quantizing {src} to {ftype} failed: {_log.take_errors() or 'see the log'}", code)

@@ -21,7 +21,7 @@ import numpy as np
 
 from primaplug import __version__
 from primaplug.core.errors import ConfigError, ModelFormatError, PrimaplugError, ProtocolError, no_gpu_backend
-from primaplug.core.settings import DEFAULT_PORT, HEAD_LEASE_S, HEAD_SILENCE_S, MAX_PARALLEL, TIMEOUT_S
+from primaplug.core.settings import DEFAULT_PORT, HEAD_LEASE_S, HEAD_SILENCE_S, MAX_PARALLEL, TIMEOUT_S, usable_cores
 from primaplug.core.windows import LayerRange
 from primaplug.device import MemorySettings
 from primaplug.device.memory import reserved_bytes
@@ -333,7 +333,7 @@ class Node:
 
     def _welcome(self) -> Welcome:
         mem = memory_view()  # what this node budgets with, and its profile reports to the planner
-        facts = DeviceFacts(os=platform.system(), machine=platform.machine(), cpu_count=os.cpu_count() or 1,
+        facts = DeviceFacts(os=platform.system(), machine=platform.machine(), cpu_count=usable_cores(),
                             mem_total_bytes=mem.total_bytes, mem_available_bytes=mem.available_bytes,
                             kernels=self._kernels,
                             disk_budget_bytes=self._store.budget_bytes if self._store else 0)
@@ -630,7 +630,7 @@ def _check_assignment(a: Assignment, layout: ModelLayout) -> str:
         return "n_ctx, n_batch, n_ubatch and n_seq_max must be positive, n_threads not negative"
     if max(a.n_ctx, a.n_batch, a.n_ubatch) > MAX_COUNT:
         return f"n_ctx, n_batch and n_ubatch must be at most {MAX_COUNT} (got {a.n_ctx}, {a.n_batch}, {a.n_ubatch})"
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     if a.n_threads > THREADS_PER_CORE * cores:
         return (f"{a.n_threads} compute threads on a device of {cores} cores: at most {THREADS_PER_CORE * cores} "
                 "(0: one per core)")

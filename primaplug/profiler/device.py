@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 
 from primaplug.core.profiles import QUANT_TYPES, Backend, DeviceProfile, OsName
+from primaplug.core.settings import usable_cores
 from primaplug.engine.ensure import installed_version
 from primaplug.memory.heap import return_freed_memory
 from primaplug.profiler import cache, gpu, osinfo, throughput
@@ -43,7 +44,7 @@ def _disk_id(path: Path) -> str:
 
 def fingerprint(os_name: OsName, backend: Backend, disk_path: Path) -> cache.Fingerprint:
     return cache.Fingerprint(
-        cpu_model=osinfo.current_cpu_model(os_name), cpu_count=osinfo.cpu_count(),
+        cpu_model=osinfo.current_cpu_model(os_name), cpu_count=usable_cores(),
         mem_total_bytes=psutil.virtual_memory().total, os=os_name, kernel=platform.release(),
         machine=platform.machine(), engine=engine_version(), backend=backend, cgroup=osinfo.cgroup_identity(),
         disk=_disk_id(disk_path),

@@ -9,7 +9,6 @@ tests can feed recorded texts. Memory is always read fresh: unlike speeds it cha
 
 from __future__ import annotations
 
-import os
 import platform
 import subprocess
 import sys
@@ -66,14 +65,6 @@ def current_cpu_model(os_name: OsName) -> str:
         except (OSError, subprocess.SubprocessError):
             return fallback
     return cpu_model(read_file("/proc/cpuinfo"), fallback)
-
-
-def cpu_count() -> int:
-    """Cores this process may run on (its affinity mask, which containers and taskset narrow)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 # --- memory ------------------------------------------------------------------------------------------------------
