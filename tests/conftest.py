@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,7 +100,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("models")
+    """Where the tests write their models: one folder for the run, shared by its xdist workers (above each one's
+    own temporary folder), so that each model is written once (written_once)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    (root / "models").mkdir(exist_ok=True)
+    return root / "models"
+
+
+def written_once(out: Path, write: Callable[[Path], None]) -> Path:
+    """`out`, written by write(a temporary path) unless it exists: under a lock, so that a worker wanting a model
+    another is writing waits for it, and renamed into place whole."""
+    from primaplug.engine._filelock import exclusive
+
+    with exclusive(out.with_name(out.name + ".lock")):
+        if not out.exists():
+            part = out.with_name(out.name + ".part")
+            write(part)
+            part.rename(out)
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -117,13 +137,13 @@ def synthetic_path(model_dir: Path, arch: str, n_layer: int, ftype: str) -> Path
     """Write (once per session) a synthetic model and its quantized copy; return the quantized one."""
     from primaplug.engine.synthetic import quantize, synthetic_spec, write_synthetic_gguf
 
-    out = model_dir / f"{arch}-{n_layer}L-{ftype}.gguf"
-    if not out.exists():
+    def write(out: Path) -> None:
         f32 = model_dir / f"{arch}-{n_layer}L-F32.gguf"
         write_synthetic_gguf(f32, synthetic_spec(arch, n_layer=n_layer, seed=n_layer))
         quantize(f32, out, ftype)
         f32.unlink()
-    return out
+
+    return written_once(model_dir / f"{arch}-{n_layer}L-{ftype}.gguf", write)
 
 
 @pytest.fixture(scope="session", params=[*SYNTHETIC, "gemma3-270m"],
@@ -148,11 +168,11 @@ def streaming_model(model_dir: Path) -> Path:
     """8 layers of about 3.5 MiB each (Q8_0): a few MiB of memory budget make its windows stream."""
     from primaplug.engine.synthetic import SyntheticSpec, quantize, write_synthetic_gguf
 
-    out = model_dir / "llama-8L-512-Q8_0.gguf"
-    if not out.exists():
+    def write(out: Path) -> None:
         f32 = model_dir / "llama-8L-512-F32.gguf"
         write_synthetic_gguf(f32, SyntheticSpec(arch="llama", n_layer=8, n_embd=512, n_ff=1536, n_head=8,
                                                 n_head_kv=4, seed=8))
         quantize(f32, out, "Q8_0")
         f32.unlink()
-    return out
+
+    return written_once(model_dir / "llama-8L-512-Q8_0.gguf", write)

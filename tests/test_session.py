@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import synthetic_path
+from tests.conftest import synthetic_path, written_once
 from tests.inproc_nodes import InprocNodes
 from tests.ring_helpers import LLAMA_KWARGS
 
@@ -232,10 +232,8 @@ def test_the_head_streams_its_own_windows_as_a_node_does(model_dir: Path) -> Non
     import primaplug
     from primaplug.engine.synthetic import SyntheticSpec, write_synthetic_gguf
 
-    path = model_dir / "llama-6L-F32-head-stream.gguf"
-    if not path.exists():
-        write_synthetic_gguf(path, SyntheticSpec(arch="llama", n_layer=6, n_embd=256, n_ff=512, n_head=4,
-                                                 n_head_kv=2, seed=6))
+    path = written_once(model_dir / "llama-6L-F32-head-stream.gguf", lambda out: write_synthetic_gguf(
+        out, SyntheticSpec(arch="llama", n_layer=6, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, seed=6)))
     kwargs = dict(KWARGS, logits_all=False)
     prompt = _prompt(20, 7)
     ref = llama_cpp.Llama(str(path), **kwargs)
