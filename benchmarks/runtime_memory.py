@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""The memory primaplug's own processes take before they hold any weights: an idle `primaplug node` and a head's
-imports, as anonymous memory (RssAnon: what a device's owner loses to them; mapped weights are page cache).
+"""The memory primaplug's own processes take beside the weights: an idle `primaplug node`, one that holds windows,
+and a head's imports, as anonymous memory (RssAnon: what a device's owner loses to them; mapped weights are page
+cache, so a node holding windows adds its KV cache, compute buffers and what llama.cpp keeps of the model).
 
     .venv/bin/python benchmarks/runtime_memory.py [--model PATH] [--runs 3] [--baseline DIR]
 
@@ -53,9 +54,24 @@ def script(code: str, checkout: Path | None = None) -> int:
     return int(out.stdout.split()[-1]) * 1024
 
 
-def node(model: Path, checkout: Path | None = None, *, profiled: bool = False) -> int:
-    """RssAnon of `primaplug node` once it says it is ready, or once a head has had it profile its device (`primaplug
-    plan --reprofile`: the compute, memory and disk tests a head asks of every node), then stopped."""
+# a head that deploys the first half of the model's layers on the node, computes a prompt, and holds the ring until
+# its stdin closes
+LOADED_HEAD = """import sys
+import primaplug
+from primaplug.engine import read_layout
+n = read_layout(sys.argv[1]).n_layer
+llm = primaplug.Llama(sys.argv[1], nodes=[sys.argv[2]], layers=[n // 2, n - n // 2], n_ctx=256, verbose=False)
+llm.eval(llm.tokenize(b"Pipelined-ring parallelism splits a model into windows of layers."))
+print("loaded", flush=True)
+sys.stdin.read()
+llm.close()
+"""
+
+
+def node(model: Path, checkout: Path | None = None, *, profiled: bool = False, loaded: bool = False) -> int:
+    """RssAnon of `primaplug node` once it says it is ready; or once a head has had it profile its device (`primaplug
+    plan --reprofile`: the compute, memory and disk tests a head asks of every node), then stopped; or while it holds
+    the first half of the model's layers for a head (LOADED_HEAD), after a prompt."""
     proc = subprocess.Popen([sys.executable, "-m", "primaplug", "node", "-m", str(model), "--listen", "127.0.0.1:0",
                              "--name", "probe"], env=_env(checkout), cwd=checkout, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
@@ -74,6 +90,17 @@ def node(model: Path, checkout: Path | None = None, *, profiled: bool = False) -
         if profiled:
             subprocess.run([sys.executable, "-m", "primaplug", "plan", "-m", str(model), "--nodes", control,
                             "--reprofile"], env=_env(checkout), cwd=checkout, capture_output=True, check=True)
+        if loaded:
+            with subprocess.Popen([sys.executable, "-c", LOADED_HEAD, str(model), control], env=_env(checkout),
+                                  cwd=checkout, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True) as head:
+                assert head.stdout is not None and head.stdin is not None
+                if head.stdout.readline().strip() != "loaded":
+                    raise SystemExit(f"the head that loads the node's windows exited ({head.wait()})")
+                time.sleep(1.0)
+                held = _rss_anon(proc.pid)
+                head.stdin.close()
+            return held
         time.sleep(1.0)
         return _rss_anon(proc.pid)
     finally:
@@ -91,6 +118,7 @@ def measure(model: Path, runs: int, checkout: Path | None) -> dict[str, float]:
     return {"interpreter": median_mib(lambda: script("pass", checkout)),
             "idle node": median_mib(lambda: node(model, checkout)),
             "node after a profile": median_mib(lambda: node(model, checkout, profiled=True)),
+            "node holding half the layers, after a prompt": median_mib(lambda: node(model, checkout, loaded=True)),
             "head imported (primaplug.head.llama.Llama)": median_mib(lambda: script(HEAD, checkout))}
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from primaplug.core import LayerRange
+from primaplug.core.errors import EngineError
 from primaplug.engine import ContextSettings, Model, read_layout
 from primaplug.memory import drop_file_cache, resident_bytes
 from primaplug.profiler.model import compute_buffer_layers_bytes
@@ -159,6 +160,47 @@ def test_windows_give_their_compute_buffers_back_after_a_prompt(model_dir) -> No
     per_window = compute_buffer_layers_bytes(layout, 256, 128, 128)
     # nine prompt-sized buffers stay resident without the release; with it, at most about one
     assert kept_growth - growth > 6 * per_window, (kept_growth, growth, per_window)
+
+
+def _load_growth(path: str, vocab: bool) -> tuple[int, int, list[float]]:
+    """In a fresh process: the anonymous memory a load for windows 0-9 takes, the vocabulary's size as llama.cpp
+    counts it, and the hidden rows the window computes."""
+    from llama_cpp import llama_cpp as ll
+
+    before = _anon_bytes()
+    with Model(path, [(0, 9)], output=False, vocab=vocab) as model:
+        growth = _anon_bytes() - before
+        n_tokens = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model._ptr))
+        rows = model.window(0, 9, settings=ContextSettings(n_ctx=64, n_batch=16, n_ubatch=16, n_threads=THREADS))
+        return growth, n_tokens, rows.forward([2, 105, 2364, 107], 0).ravel().tolist()
+
+
+@linux_only
+def test_windows_that_never_tokenize_keep_the_vocabularys_size_only(gemma_path) -> None:
+    """A node runs layers on hidden states and never tokenizes: its windows keep the vocabulary's size (the token
+    embedding and output shapes need it), not Gemma 3's 262,144 tokens, which held about 40 MiB and took half a
+    second to load. The rows are the same; asked to tokenize, such a model says why it cannot."""
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        full = pool.submit(_load_growth, str(gemma_path), True).result()
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        lean = pool.submit(_load_growth, str(gemma_path), False).result()
+    n_vocab = read_layout(gemma_path).n_vocab
+    assert full[1] == lean[1] == n_vocab
+    assert lean[2] == full[2]
+    assert full[0] - lean[0] > 25 << 20, f"{full[0] / 2**20:.1f} MiB with the tokens, {lean[0] / 2**20:.1f} without"
+    with Model(gemma_path, [(0, 1)], output=False, vocab=False) as model, \
+            pytest.raises(EngineError, match="never tokenize"):
+        model.tokenize("Hello")
+    # a device loads the vocabulary only where it runs the output layer: the head, which tokenizes
+    from primaplug.device import DeviceWindows
+
+    layout = read_layout(gemma_path)
+    for output in (False, True):
+        device = DeviceWindows.load(gemma_path, layout, [LayerRange(0, 1)], context=SETTINGS, output=output)
+        try:
+            assert device.model.has_vocab == output
+        finally:
+            device.close()
 
 
 @linux_only

@@ -131,9 +131,10 @@ class DeviceWindows:
             log.info("windows %s do not fit in memory: %s", names, plan.describe())
         # writing the repacked copy (once) loads layers with llama.cpp's repacking on: half the budget at a time
         chunk = min(CHUNK_BYTES, max(0, plan.prefetch.budget_bytes) // 2)
+        # only the head (the device with the output layer) tokenizes: a node keeps the vocabulary's size alone
         model = Model(path, used, output=output, gpu_layers=gpu_layers, layout=layout, copy_chunk_bytes=chunk,
                       copy_room=lambda: memory_view().available_bytes,
-                      progress=lambda f, what: progress(0.05 + 0.05 * f, what), repack_in=repack_in)
+                      progress=lambda f, what: progress(0.05 + 0.05 * f, what), repack_in=repack_in, vocab=output)
         log.info("windows %s: %s", names, model.describe_kernels())
         hooks = PrefetchHooks(on_cpu, per_layer=plan.per_layer)
         experts = None

@@ -70,6 +70,8 @@ llama_model_repacked_tensors = _bind(
 )
 # LLAMA_API void llama_set_repack_only(const char * const * names, size_t n_names);  (patches/0024)
 llama_set_repack_only = _bind("llama_set_repack_only", [ctypes.POINTER(ctypes.c_char_p), ctypes.c_size_t], None)
+# LLAMA_API void llama_set_vocab_size_only(bool size_only);  (patches/0025)
+llama_set_vocab_size_only = _bind("llama_set_vocab_size_only", [ctypes.c_bool], None)
 # LLAMA_API struct llama_context * llama_init_window_from_model(
 #                  struct llama_model * model,
 #         struct llama_context_params   params,
@@ -153,10 +155,11 @@ _ggml_cpu = _sibling("ggml-cpu")
 
 
 def load_for_windows(path: str, placement: ctypes.Array[ctypes.c_uint8], *, repack: bool, purpose: str,
-                     repack_only: Collection[str] | None = None) -> int:
+                     repack_only: Collection[str] | None = None, vocab: bool = True) -> int:
     """llama_model_load_for_windows on the file mapping (repack: llama.cpp's use_extra_bufts; repack_only: of the
-    weights it would repack, only these, the others left mapped); raises EngineError with llama.cpp's own reason.
-    `purpose` completes "could not load PATH ..."."""
+    weights it would repack, only these, the others left mapped; vocab: load the vocabulary's tokens, or its size
+    only, for windows that never tokenize); raises EngineError with llama.cpp's own reason. `purpose` completes
+    "could not load PATH ..."."""
     from primaplug.engine import _log
 
     _log.install()
@@ -167,10 +170,12 @@ def load_for_windows(path: str, placement: ctypes.Array[ctypes.c_uint8], *, repa
     names = None if repack_only is None else (ctypes.c_char_p * max(len(repack_only), 1))(
         *(n.encode() for n in repack_only))
     llama_set_repack_only(names, len(repack_only or ()))  # None: repack all, as a load does by default
+    llama_set_vocab_size_only(not vocab)
     try:
         ptr = llama_model_load_for_windows(path.encode(), params, placement, len(placement))
     finally:
         llama_set_repack_only(None, 0)
+        llama_set_vocab_size_only(False)
     if not ptr:
         raise EngineError(f"could not load {path} {purpose}: {_log.take_errors() or 'see the log'}")
     return ptr

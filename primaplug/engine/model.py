@@ -174,6 +174,7 @@ class Model:
         copy_chunk_bytes: int = CHUNK_BYTES,
         copy_room: Room | None = None,
         repack_in: RepackedForms | None = None,
+        vocab: bool = True,
     ) -> None:
         self.path = os.fspath(path)
         self.layout: ModelLayout = layout or read_layout(self.path)
@@ -208,7 +209,10 @@ class Model:
             placement[il] = _native.LLAMA_WINDOW_PLACEMENT_GPU if il in gpu else cpu
         placement[n_all] = cpu if output else _native.LLAMA_WINDOW_PLACEMENT_SKIP
 
-        self._ptr = ptr = _native.load_for_windows(self.source, placement, repack=repack, purpose="for windows")
+        # without its vocabulary's tokens, a model keeps their number only: 41 MiB and 0.5 s less for Gemma 3's 262k
+        self.has_vocab = vocab
+        self._ptr = ptr = _native.load_for_windows(self.source, placement, repack=repack, purpose="for windows",
+                                                   vocab=vocab)
         if _native.llama_window_row_width(ptr, 0) != self.layout.row_width(0):  # the rows the engine and we agree on
             _ll.llama_model_free(ptr)
             raise EngineError(f"the engine's rows entering layer 0 of {self.layout.arch} are "
@@ -412,7 +416,13 @@ class Model:
 
     # --- vocabulary ----------------------------------------------------------------------------------------
 
+    def _check_vocab(self) -> None:
+        if not self.has_vocab:
+            raise EngineError(f"{self.path} was loaded for windows that never tokenize (vocab=False): load it with "
+                              "its vocabulary to tokenize")
+
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        self._check_vocab()
         data = text.encode("utf-8")
         cap = len(data) + 16
         buf = (_ll.llama_token * cap)()
@@ -424,6 +434,7 @@ class Model:
         return list(buf[:n])
 
     def token_bytes(self, token: int) -> bytes:
+        self._check_vocab()
         buf = ctypes.create_string_buffer(256)
         n = _ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
         if n < 0:
@@ -438,6 +449,7 @@ class Model:
         return len(special) == 1 and self.tokenize(text, add_special=False) != special
 
     def is_eog(self, token: int) -> bool:
+        self._check_vocab()
         return bool(_ll.llama_vocab_is_eog(self._vocab, token))
 
     # --- lifetime ------------------------------------------------------------------------------------------

@@ -434,7 +434,8 @@ def _repack(layout: ModelLayout, units: list[str], spans: dict[str, TensorSpan],
         got.append((span, memoryview((ctypes.c_char * size).from_address(data)).cast("B")))
 
     callback = _native.llama_repacked_tensor_callback(on_tensor)
-    ptr = _native.load_for_windows(layout.path, placement, repack=True, purpose="to repack it", repack_only=only)
+    ptr = _native.load_for_windows(layout.path, placement, repack=True, purpose="to repack it", repack_only=only,
+                                   vocab=False)
     try:
         _native.llama_model_repacked_tensors(ptr, callback, None)
         keys = {span.name: _check_undo(span, mv, fd_out) if in_place else "" for span, mv in got}

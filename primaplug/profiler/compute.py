@@ -83,7 +83,8 @@ def time_layers(paths: Sequence[Path], n_tokens: int, repeats: int, gpu: bool) -
     settings = ContextSettings(n_ctx=n_tokens, n_batch=n_tokens, n_ubatch=n_tokens)
     times: list[list[float]] = [[] for _ in paths]
     with contextlib.ExitStack() as stack:
-        models = [stack.enter_context(Model(p, [(0, 1)], output=False, gpu_layers=[0] if gpu else ())) for p in paths]
+        models = [stack.enter_context(Model(p, [(0, 1)], output=False, gpu_layers=[0] if gpu else (), vocab=False))
+                  for p in paths]
         windows = [m.window(0, 1, settings=settings) for m in models]
         for r in range(repeats + 2):
             for i, window in enumerate(windows):
