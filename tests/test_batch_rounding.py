@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from tests.ring_helpers import THREADS
+
 N_CTX_SEQ = 256  # every sequence's share of a context's cache (llama.cpp splits n_ctx between the sequences)
 N_BATCH = 64
 N_SEQ = 8
@@ -72,7 +74,7 @@ def _params(n_seq: int, n_ctx: int | None = None, n_batch: int = N_BATCH) -> Any
     p.n_batch = p.n_ubatch = n_batch
     p.n_seq_max = n_seq
     p.kv_unified = False  # llama.cpp's default: a cache per sequence
-    p.n_threads = p.n_threads_batch = 2
+    p.n_threads = p.n_threads_batch = THREADS
     p.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as llama_cpp.Llama and primaplug's windows
     return p
 
