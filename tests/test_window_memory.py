@@ -6,6 +6,8 @@ import concurrent.futures
 import dataclasses
 import multiprocessing
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from tests.conftest import synthetic_path
 from tests.ring_helpers import THREADS
 
 SETTINGS = ContextSettings(n_ctx=256, n_batch=64, n_ubatch=32, n_threads=THREADS)
+T = TypeVar("T")
 
 
 def test_middle_window_leaves_lm_head_on_disk(gemma_path, tmp_path) -> None:
@@ -133,10 +136,14 @@ def _run_windows(path: str, windows: list[LayerRange], settings: ContextSettings
         return tokens, _anon_bytes() - before, sum(w.compute_released_bytes for w in ws)
 
 
-def _in_fresh_process(*args: object) -> tuple[list[int], int, int]:
+def _fresh(fn: Callable[..., T], *args: object) -> T:
     # a fresh interpreter each time, so that memory one run freed cannot hide what the next one takes
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_run_windows, *args).result()
+        return pool.submit(fn, *args).result()
+
+
+def _in_fresh_process(*args: object) -> tuple[list[int], int, int]:
+    return _fresh(_run_windows, *args)
 
 
 linux_only = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc (Linux)")
@@ -180,12 +187,9 @@ def test_windows_that_never_tokenize_keep_the_vocabularys_size_only(gemma_path) 
     """A node runs layers on hidden states and never tokenizes: its windows keep the vocabulary's size (the token
     embedding and output shapes need it), not Gemma 3's 262,144 tokens, which held about 40 MiB and took half a
     second to load. The rows are the same; asked to tokenize, such a model says why it cannot."""
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        full = pool.submit(_load_growth, str(gemma_path), True).result()
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        lean = pool.submit(_load_growth, str(gemma_path), False).result()
-    n_vocab = read_layout(gemma_path).n_vocab
-    assert full[1] == lean[1] == n_vocab
+    full, lean = _fresh(_load_growth, str(gemma_path), True), _fresh(_load_growth, str(gemma_path), False)
+    layout = read_layout(gemma_path)
+    assert full[1] == lean[1] == layout.n_vocab
     assert lean[2] == full[2]
     assert full[0] - lean[0] > 25 << 20, f"{full[0] / 2**20:.1f} MiB with the tokens, {lean[0] / 2**20:.1f} without"
     with Model(gemma_path, [(0, 1)], output=False, vocab=False) as model, \
@@ -194,7 +198,6 @@ def test_windows_that_never_tokenize_keep_the_vocabularys_size_only(gemma_path) 
     # a device loads the vocabulary only where it runs the output layer: the head, which tokenizes
     from primaplug.device import DeviceWindows
 
-    layout = read_layout(gemma_path)
     for output in (False, True):
         device = DeviceWindows.load(gemma_path, layout, [LayerRange(0, 1)], context=SETTINGS, output=output)
         try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 from functools import cache
-from pathlib import Path
 
 import llama_cpp
 import numpy as np
@@ -17,7 +16,7 @@ import pytest
 
 from primaplug.core import LayerRange, even_split
 from primaplug.engine import ContextSettings, Model, ModelLayout, WindowChain, read_layout
-from tests.conftest import written_once
+from tests.conftest import quantized_once
 from tests.ring_helpers import THREADS
 
 N_STEPS = 32
@@ -106,15 +105,10 @@ def test_gemma4_shared_kv_of_both_kinds_and_a_split_inside_it(model_dir) -> None
     anything loads, saying where to split instead."""
     import primaplug
     from primaplug.core import WindowRangeError
-    from primaplug.engine.synthetic import quantize, synthetic_spec, write_synthetic_gguf
+    from primaplug.engine.synthetic import synthetic_spec
 
-    def write(out: Path) -> None:
-        f32 = model_dir / "gemma4-e2b-9L-shared3-F32.gguf"
-        write_synthetic_gguf(f32, synthetic_spec("gemma4-e2b", n_layer=9, seed=9, n_kv_shared=3))
-        quantize(f32, out, "Q8_0")
-        f32.unlink()
-
-    path = written_once(model_dir / "gemma4-e2b-9L-shared3-Q8_0.gguf", write)
+    path = quantized_once(model_dir / "gemma4-e2b-9L-shared3-Q8_0.gguf",
+                          synthetic_spec("gemma4-e2b", n_layer=9, seed=9, n_kv_shared=3), "Q8_0")
     layout = read_layout(path)
     assert [layout.kv_source(il) for il in range(6, 9)] == [4, 4, 5] and not layout.swa_layers[5]
     prompt = tuple(int(t) for t in np.random.default_rng(9).integers(3, 512, size=100))

@@ -86,14 +86,20 @@ class RunSettings:
     listen: str = "127.0.0.1"  # where the head receives the ring's output
 
 
-def usable_cores() -> int:
-    """The cores this process may run on: its affinity mask, which containers (`docker --cpuset-cpus`) and taskset
-    narrow, where os.cpu_count() counts the machine's. One compute thread per core means one per these: more would
-    spin at ggml's barriers while another waits for a core."""
+def allowed_cpus() -> list[int] | None:
+    """The cores this thread may run on (its affinity mask, which containers and taskset narrow), or None where the
+    OS does not say (macOS)."""
     try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # macOS has no affinity masks
-        return os.cpu_count() or 1
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+def usable_cores() -> int:
+    """How many cores this process may run on (allowed_cpus), where os.cpu_count() counts the machine's. One compute
+    thread per core means one per these: more would spin at ggml's barriers while another waits for a core."""
+    cpus = allowed_cpus()
+    return len(cpus) if cpus else os.cpu_count() or 1
 
 
 def head_threads(n_threads: int, has_nodes: bool) -> int:

@@ -18,13 +18,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-
-def allowed_cpus() -> list[int] | None:
-    """The cores this thread may run on, or None where the OS does not say (macOS)."""
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return None
+from primaplug.core.settings import allowed_cpus
 
 
 def pinned_cpus(n_threads: int, pin: bool | None) -> list[int] | None:
