@@ -31,7 +31,7 @@ from primaplug.head.events import Deployed, Events, NodeMetrics, NodeProgress, N
 from primaplug.head.identity import Head
 from primaplug.head.nodes import NodeClient
 from primaplug.head.ring import RingHead
-from primaplug.memory.heap import return_freed_memory
+from primaplug.memory.heap import map_large_blocks, return_freed_memory
 from primaplug.scheduler import Plan
 from primaplug.store import HolderService, file_manifest, piece_plan
 from primaplug.store.manifest import needed_units
@@ -167,6 +167,11 @@ class Cluster:
 
     def connect(self) -> None:
         """Say hello to every node and check that each holds the head's model."""
+        # what crosses the ring in large blocks (probes, prompts' rows, a node's replies that libzmq's I/O thread
+        # allocates) goes back to the OS when freed, as on a node: with glibc's rising threshold such blocks came
+        # from that thread's heap, whose free top neither a trim nor a free returned (9.6 MiB kept after measuring
+        # the links, in about 1 run of 4 of the suite). The cost is a map and an unmap a block: microseconds.
+        map_large_blocks()
         welcomes = [n.hello() for n in self.nodes]
         for n, name in zip(self.nodes, unique_names([(n.name, n.address) for n in self.nodes]), strict=True):
             n.name = name
@@ -309,9 +314,8 @@ class Cluster:
         probes of 1 and of `rows` hidden rows round the ring, len(nodes) + 1 hops a trip, and the fastest trip of
         each size counts; each hop gets its share (which includes a node's decode, check and send)."""
         times = self._time_probes(rows, repeats)
-        # the probes' rows, freed, stay in the heap where glibc keeps them: 5.7 MiB of the head on the peers' W1
-        # model, 3% of its device there (docs/peers.md). A node maps such blocks (memory/heap.py); a head, maybe in a
-        # user's process, leaves the allocator as it is and hands them back once they are all freed
+        # what the probes left in the heap below the mapping threshold: 5.7 MiB of the head on the peers' W1 model,
+        # 3% of its device there, before the head mapped large blocks (docs/peers.md)
         return_freed_memory()
         hops = len(self.nodes) + 1
         extra = times[rows] - times[1]

@@ -18,8 +18,10 @@ MMAP_THRESHOLD = 128 << 10  # glibc's own default, fixed: every larger block is 
 def map_large_blocks() -> bool:
     """Keep every block above 128 KiB in a mapping of its own, for good (the threshold no longer rises): a node's
     profile of the W1 model in a thread, then a trim, left 7 MiB more anonymous memory with the rising threshold, 5-6
-    with it fixed (a one-off on the 2-core machine, benchmarks/results/LOG.md). For a process of its own
-    (`primaplug node`): it changes the allocator for the whole process. False where there is no glibc."""
+    with it fixed (a one-off on the 2-core machine, benchmarks/results/LOG.md). It changes the allocator for the whole
+    process: a node's (`primaplug node`), and a head's once it connects to its nodes, even inside a user's program,
+    since a ring's messages are such blocks, and libzmq's I/O thread allocates the ones that arrive; that thread's heap
+    kept its free top (memory/heap.py's second habit). False where there is no glibc."""
     mallopt = getattr(_libc, "mallopt", None)
     return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
