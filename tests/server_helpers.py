@@ -11,8 +11,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.ring_helpers import THREADS
+
 # the sizes the server tests use, for the ring and for llama-cpp-python's own server alike
-SERVE_KWARGS: dict[str, Any] = dict(n_ctx=512, n_batch=64, n_ubatch=32, n_threads=1, verbose=False)
+SERVE_KWARGS: dict[str, Any] = dict(n_ctx=512, n_batch=64, n_ubatch=32, n_threads=THREADS, n_threads_batch=THREADS,
+                                     verbose=False)
 
 
 class ThreadedServer:

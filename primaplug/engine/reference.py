@@ -10,6 +10,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
+from primaplug.core.settings import usable_cores
 from primaplug.engine import _log
 from primaplug.engine.model import ContextSettings
 
@@ -38,8 +39,12 @@ def plain_llama_forward(
 @contextmanager
 def plain_llama(path: str | os.PathLike[str], **kwargs: Any) -> Iterator[llama_cpp.Llama]:
     """Plain llama-cpp-python on the whole model, with llama.cpp's log going where the engine sends it (not to the
-    terminal), closed on exit: the reference of `run --verify` and of plain_llama_forward."""
+    terminal), closed on exit: the reference of `run --verify` and of plain_llama_forward. Its threads default to
+    the cores this process may use, as the windows' do: llama-cpp-python's own count the machine's (half of them,
+    all of them for a prompt), so under `taskset` or `docker --cpuset-cpus` they would spin on the few allowed."""
     _log.install()
+    kwargs.setdefault("n_threads", usable_cores())
+    kwargs.setdefault("n_threads_batch", kwargs["n_threads"])
     llm = llama_cpp.Llama(os.fspath(path), **kwargs)
     try:
         yield llm
