@@ -152,3 +152,19 @@ def test_a_node_narrowed_to_one_core_counts_one(gemma_path: Path, tmp_path: Path
                        n_threads=too_many)
         with pytest.raises(NodeError, match=f"{too_many} compute threads on a device of 1 cores"):
             client.load(a)
+
+
+@linux_only
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to narrow to one")
+def test_the_plain_reference_takes_the_cores_this_process_may_run_on(gemma_path: Path) -> None:
+    """`run --verify`'s plain llama-cpp-python: its own defaults count the machine's cores (half of them, and all of
+    them for a prompt's batch); by default the reference takes the cores the ring's windows take."""
+    from primaplug.engine.reference import plain_llama
+
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(mine)})
+    try:
+        with plain_llama(gemma_path, n_ctx=64, verbose=False) as llm:
+            assert (llm.n_threads, llm.n_threads_batch) == (1, 1)
+    finally:
+        os.sched_setaffinity(0, mine)
