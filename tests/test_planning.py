@@ -149,6 +149,48 @@ def test_measuring_the_links_leaves_nothing_in_the_head(nodes, gemma_path: Path)
                                    f"grew by 256 KiB or more, in bytes: {grown}")
 
 
+HEAP_AFTER_CONNECT = """
+import ctypes
+import sys
+from primaplug.engine import read_layout
+from primaplug.head import Cluster, ClusterSettings
+from primaplug.transport import ZmqTransport
+from primaplug.wire import ModelIdentity
+def anon():
+    with open("/proc/self/status") as f:
+        return next(int(x.split()[1]) * 1024 for x in f if x.startswith("RssAnon"))
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+def kept(size):  # what a block of `size` bytes, written and freed, leaves in the process
+    before = anon()
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    libc.free(ctypes.c_void_p(block))
+    return anon() - before
+libc.free(ctypes.c_void_p(libc.malloc(24 << 20)))  # glibc's threshold rises to 24 MiB, as any program's may
+print(kept(16 << 20))
+libc.malloc_trim(0)  # that block's pages back, so that the next one is a fresh allocation
+t = ZmqTransport()
+cluster = Cluster(t, ClusterSettings(nodes=tuple(sys.argv[2].split(","))),
+                  ModelIdentity.of(read_layout(sys.argv[1]), "m.gguf"))
+cluster.connect()
+print(kept(16 << 20))
+cluster.close()
+t.close()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or "musl" in sys.version, reason="glibc's allocator")
+def test_a_connected_head_gives_back_the_large_blocks_it_frees(nodes, gemma_path: Path) -> None:  # noqa: ANN001
+    """A ring's messages are large blocks. Once its threshold has risen, glibc serves them from a heap whose free top
+    it keeps; a head that has connected maps them, so that each goes back to the OS when freed (memory/heap.py)."""
+    out = subprocess.run([sys.executable, "-c", HEAP_AFTER_CONNECT, str(gemma_path), ",".join(nodes.addresses)],
+                         capture_output=True, text=True, check=True, timeout=120)
+    before, after = (int(x) for x in out.stdout.split())
+    assert before > 12 << 20, f"glibc kept {before} bytes of a freed 16 MiB block: the test no longer sets the scene"
+    assert after < 1 << 20, f"{after / 2**20:.1f} MiB of a freed 16 MiB block stayed in a connected head"
+
+
 def test_profile_requests_are_checked(nodes, gemma_path: Path) -> None:  # noqa: ANN001
     from primaplug.core.errors import NodeError
     from primaplug.engine import read_layout

@@ -20,8 +20,8 @@ def map_large_blocks() -> bool:
     profile of the W1 model in a thread, then a trim, left 7 MiB more anonymous memory with the rising threshold, 5-6
     with it fixed (a one-off on the 2-core machine, benchmarks/results/LOG.md). It changes the allocator for the whole
     process: a node's (`primaplug node`), and a head's once it connects to its nodes, even inside a user's program,
-    since a ring's messages are such blocks, and libzmq's I/O thread allocates the ones that arrive; that thread's heap
-    kept its free top (memory/heap.py's second habit). False where there is no glibc."""
+    since a ring's messages are such blocks, and libzmq's I/O thread allocates the ones that arrive: that thread's heap
+    kept its free top (the second habit above). False where there is no glibc."""
     mallopt = getattr(_libc, "mallopt", None)
     return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
