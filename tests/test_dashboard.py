@@ -48,9 +48,12 @@ def config_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def plain_reply(path: Path, chat_format: str | None, max_tokens: int) -> str:
+    """Plain llama-cpp-python's answer to MESSAGE: in the chat format given, or (None) its continuation as text."""
     from primaplug.engine.reference import plain_llama
 
     with plain_llama(path, n_ctx=4096, n_batch=512, n_ubatch=512, verbose=False, chat_format=chat_format) as llm:
+        if chat_format is None:
+            return llm.create_completion(MESSAGE, temperature=0, max_tokens=max_tokens, seed=0)["choices"][0]["text"]
         out = llm.create_chat_completion([{"role": "user", "content": MESSAGE}], temperature=0,
                                          max_tokens=max_tokens, seed=0)
     return out["choices"][0]["message"]["content"] or ""
@@ -71,6 +74,7 @@ def test_local_nodes_plan_deploy_chat_equals_plain_and_quit_stops_them(gemma_pat
     remembered; quitting stops the local nodes."""
     coordinator = Coordinator(gemma_path, [], timeout_s=3.0)
     app = DashboardApp(coordinator, local_nodes=2, remembered=Remembered(scheduler="halda"), blink=False)
+    said_text_mode = False
 
     async def scenario() -> None:
         async with app.run_test(size=SIZE) as pilot:
@@ -94,12 +98,17 @@ def test_local_nodes_plan_deploy_chat_equals_plain_and_quit_stops_them(gemma_pat
             await pilot.pause(0.5)
             assert "TPOT" in str(app.query_one("#figures").render())
             assert app.history[-1] == {"role": "assistant", "content": app.reply}
+            nonlocal said_text_mode
+            said_text_mode = any(str(line.text).startswith("each message is continued as text")
+                                 for line in app.query_one("#log").lines)
             pids = [n.pid for n in app.local.nodes]  # type: ignore[union-attr]
             await pilot.press("escape", "q")
         for pid in pids:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
-        assert app.reply == plain_reply(gemma_path, "gemma", 24)  # the format chosen from its tokenizer
+        # the model carries no chat template and none was given: the message is continued as text
+        assert app.reply == plain_reply(gemma_path, None, 24)
+        assert said_text_mode
         saved = Remembered.load()
         assert saved.local_nodes == 2 and saved.nodes == [] and saved.scheduler == "even"
 
@@ -167,7 +176,7 @@ def test_a_node_killed_mid_chat_turns_red_and_one_started_later_is_added(gemma_p
 def test_a_key_is_handled_while_a_token_is_computed(gemma_path: Path, config_dir: Path) -> None:
     """The ring runs in a worker: with the generating thread held inside a token's batch, a key switches the pane."""
     with tempfile.TemporaryDirectory() as logs, LocalNodes(gemma_path, 1, log_dir=logs) as local:
-        coordinator = Coordinator(gemma_path, local.addresses)
+        coordinator = Coordinator(gemma_path, local.addresses, chat_format="gemma")  # a chat in a format given
         app = DashboardApp(coordinator, remembered=Remembered(scheduler="even"), remember=False, blink=False)
         inside, release = threading.Event(), threading.Event()
 
@@ -191,6 +200,7 @@ def test_a_key_is_handled_while_a_token_is_computed(gemma_path: Path, config_dir
                 release.set()
                 await until(pilot, lambda: not app.generating, "the reply")
                 assert handled and still_generating
+                assert app.reply == plain_reply(gemma_path, "gemma", 16)
                 await pilot.press("q")
 
         try:

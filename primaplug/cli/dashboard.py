@@ -32,8 +32,9 @@ def add_parser(sub: Any) -> None:
     d.add_argument("--slow-disk", type=float, default=400, metavar="MB/s",
                    help="disks reading at most this fast never stream layers under halda (default 400)")
     d.add_argument("--latency-model", choices=("ring", "paper"), default="ring")
-    d.add_argument("--chat-format", help="llama-cpp-python chat format (default: the model's own template; for a "
-                   "model without one, its architecture's, e.g. gemma)")
+    d.add_argument("--chat-format", help="llama-cpp-python chat format, e.g. gemma (default: the model's own "
+                   "template; a model without one has each message continued as text, and the log names the format "
+                   "its tokenizer suggests)")
     d.add_argument("--forget", action="store_true", help="start from an empty cluster, not the remembered one")
     draft_flags(d)
     d.set_defaults(func=main, scheduler="halda", rounds=None, reprofile=False)

@@ -116,6 +116,11 @@ class Coordinator:
         self.plan_settings = dataclasses.replace(self.plan_settings, head_reserved_bytes=draft_bytes(
             draft_model, n_ctx, n_batch, n_ubatch))
         self.chat_format = chat_format  # given; else the Llama chooses (engine/chat_formats.py) and it is noticed
+        # a model with no chat template of its own and none given is asked to continue each message as text: the
+        # bundled Gemma 3 270M is a base model, which answered "What is the capital of France?" in the gemma format
+        # its tokenizer names with the question and "wnętr", eight times over, and as text with "The capital of
+        # France is Paris." (plain llama-cpp-python alike)
+        self.text_mode = not chat_format and not self.layout.has_chat_template
         self.events = events or Events()
         self._owns_transport = transport is None
         self.transport = transport or ZmqTransport(load_keys(keys) if keys else None)
@@ -359,7 +364,10 @@ class Coordinator:
                 raise
             self.llm.plan = plan  # the head alone is not deployed from the plan: keep it all the same
             chosen = getattr(self.llm, "chat_format_reason", "")  # what the Llama chose (engine/chat_formats.py)
-            if chosen:
+            if self.text_mode:
+                self.events.publish(Notice(f"each message is continued as text: {chosen}; to chat in the format "
+                                           f"it suggests, pass --chat-format {self.llm.chat_format}"))
+            elif chosen:
                 self.events.publish(Notice(f"chat format: {self.llm.chat_format} ({chosen})"))
             return self.llm
 
@@ -372,15 +380,20 @@ class Coordinator:
 
     def chat(self, messages: list[dict[str, str]], *, temperature: float = 0.0, max_tokens: int = 128,
              seed: int | None = None, stop: threading.Event | None = None) -> Iterator[str]:
-        """Stream the assistant's reply through the ring with the model's chat template; `stop` ends it between
-        two tokens."""
+        """Stream the assistant's reply through the ring with the model's chat template or the format given, or, in
+        text mode (neither), the continuation of the last message as text; `stop` ends it between two tokens."""
         with self._lock:
             if self.llm is None:
                 raise ConfigError("no ring is deployed: deploy a plan first")
-            stream = self.llm.create_chat_completion(messages, temperature=temperature, max_tokens=max_tokens,
-                                                     seed=seed, stream=True)
+            if self.text_mode:
+                stream = self.llm.create_completion(messages[-1]["content"], temperature=temperature,
+                                                    max_tokens=max_tokens, seed=seed, stream=True)
+            else:
+                stream = self.llm.create_chat_completion(messages, temperature=temperature, max_tokens=max_tokens,
+                                                         seed=seed, stream=True)
             for chunk in stream:
-                text = chunk["choices"][0]["delta"].get("content")  # type: ignore[index]
+                choice = chunk["choices"][0]  # type: ignore[index]
+                text = choice["text"] if self.text_mode else choice["delta"].get("content")
                 if text:
                     yield text
                 if stop is not None and stop.is_set():
