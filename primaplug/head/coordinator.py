@@ -364,7 +364,7 @@ class Coordinator:
                 raise
             self.llm.plan = plan  # the head alone is not deployed from the plan: keep it all the same
             chosen = getattr(self.llm, "chat_format_reason", "")  # what the Llama chose (engine/chat_formats.py)
-            if self.text_mode:
+            if chosen and self.text_mode:
                 self.events.publish(Notice(f"each message is continued as text: {chosen}; to chat in the format "
                                            f"it suggests, pass --chat-format {self.llm.chat_format}"))
             elif chosen:
