@@ -175,8 +175,8 @@ class DashboardApp(App[None]):
         self.sub_title = c.path.name
         self.run_pane.log(f"chat format: {c.chat_format!r} (--chat-format)" if c.chat_format else
                           "chat format: the model's own template" if c.layout.has_chat_template else
-                          "each message is continued as text: the model carries no chat template (a base model, "
-                          "not tuned to chat); --chat-format chats in a format")
+                          "each message is continued as text: the model carries no chat template (a base "
+                          "model's file, or one that lost it); --chat-format chats in a format")
         if not self.blink:
             for i in self.query(Input):
                 i.cursor_blink = False
