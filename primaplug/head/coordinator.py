@@ -116,11 +116,6 @@ class Coordinator:
         self.plan_settings = dataclasses.replace(self.plan_settings, head_reserved_bytes=draft_bytes(
             draft_model, n_ctx, n_batch, n_ubatch))
         self.chat_format = chat_format  # given; else the Llama chooses (engine/chat_formats.py) and it is noticed
-        # a model with no chat template of its own and none given is asked to continue each message as text: the
-        # bundled Gemma 3 270M is a base model, which answered "What is the capital of France?" in the gemma format
-        # its tokenizer names with the question and "wnętr", eight times over, and as text with "The capital of
-        # France is Paris." (plain llama-cpp-python alike)
-        self.text_mode = not chat_format and not self.layout.has_chat_template
         self.events = events or Events()
         self._owns_transport = transport is None
         self.transport = transport or ZmqTransport(load_keys(keys) if keys else None)
@@ -378,6 +373,14 @@ class Coordinator:
                 self.llm.close()
                 self.llm = None
 
+    @property
+    def text_mode(self) -> bool:
+        """Whether each message is continued as text rather than chatted: for a model with no chat template of its
+        own and none given. The bundled Gemma 3 270M is a base model, which answered "What is the capital of
+        France?" in the gemma format its tokenizer names with the question and "wnętr", eight times over, and as
+        text with "The capital of France is Paris." (plain llama-cpp-python alike)."""
+        return not self.chat_format and not self.layout.has_chat_template
+
     def chat(self, messages: list[dict[str, str]], *, temperature: float = 0.0, max_tokens: int = 128,
              seed: int | None = None, stop: threading.Event | None = None) -> Iterator[str]:
         """Stream the assistant's reply through the ring with the model's chat template or the format given, or, in
@@ -385,7 +388,8 @@ class Coordinator:
         with self._lock:
             if self.llm is None:
                 raise ConfigError("no ring is deployed: deploy a plan first")
-            if self.text_mode:
+            text_mode = self.text_mode
+            if text_mode:
                 stream = self.llm.create_completion(messages[-1]["content"], temperature=temperature,
                                                     max_tokens=max_tokens, seed=seed, stream=True)
             else:
@@ -393,7 +397,7 @@ class Coordinator:
                                                          seed=seed, stream=True)
             for chunk in stream:
                 choice = chunk["choices"][0]  # type: ignore[index]
-                text = choice["text"] if self.text_mode else choice["delta"].get("content")
+                text = choice["text"] if text_mode else choice["delta"].get("content")
                 if text:
                     yield text
                 if stop is not None and stop.is_set():

@@ -173,10 +173,10 @@ class DashboardApp(App[None]):
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         c = self.coordinator
         self.sub_title = c.path.name
-        self.run_pane.log(f"chat format: {c.chat_format!r} (--chat-format)" if c.chat_format else
-                          "chat format: the model's own template" if c.layout.has_chat_template else
-                          "each message is continued as text: the model carries no chat template (a base "
-                          "model's file, or one that lost it); --chat-format chats in a format")
+        self.run_pane.log("each message is continued as text: the model carries no chat template (a base model's "
+                          "file, or one that lost it); --chat-format chats in a format" if c.text_mode else
+                          f"chat format: {c.chat_format!r} (--chat-format)" if c.chat_format else
+                          "chat format: the model's own template")
         if not self.blink:
             for i in self.query(Input):
                 i.cursor_blink = False
