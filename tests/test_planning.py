@@ -98,9 +98,10 @@ def test_links_are_measured_over_the_ring(nodes, gemma_path: Path) -> None:  # n
         t.close()
 
 
-LINK_PROBE = """
+# a head's script (argv: the model, the nodes' addresses): `cluster`, not yet connected, and `anon()`, the process's
+# anonymous memory now
+HEAD_SCRIPT = """
 import sys
-import time
 from primaplug.engine import read_layout
 from primaplug.head import Cluster, ClusterSettings
 from primaplug.transport import ZmqTransport
@@ -108,6 +109,13 @@ from primaplug.wire import ModelIdentity
 def anon():
     with open("/proc/self/status") as f:
         return next(int(x.split()[1]) * 1024 for x in f if x.startswith("RssAnon"))
+t = ZmqTransport()
+cluster = Cluster(t, ClusterSettings(nodes=tuple(sys.argv[2].split(","))),
+                  ModelIdentity.of(read_layout(sys.argv[1]), "m.gguf"))
+"""
+
+LINK_PROBE = HEAD_SCRIPT + """
+import time
 def regions():  # anonymous memory by mapping, to say where what was kept lies
     out, name = {}, ""
     with open("/proc/self/smaps") as f:
@@ -118,9 +126,6 @@ def regions():  # anonymous memory by mapping, to say where what was kept lies
             elif parts[0] == "Anonymous:":
                 out[name] = int(parts[1]) * 1024
     return out
-layout = read_layout(sys.argv[1])
-t = ZmqTransport()
-cluster = Cluster(t, ClusterSettings(nodes=tuple(sys.argv[2].split(","))), ModelIdentity.of(layout, "m.gguf"))
 cluster.connect()
 before, mapped = anon(), regions()
 cluster.measure_links(rows=2048)
@@ -149,16 +154,8 @@ def test_measuring_the_links_leaves_nothing_in_the_head(nodes, gemma_path: Path)
                                    f"grew by 256 KiB or more, in bytes: {grown}")
 
 
-HEAP_AFTER_CONNECT = """
+HEAP_AFTER_CONNECT = HEAD_SCRIPT + """
 import ctypes
-import sys
-from primaplug.engine import read_layout
-from primaplug.head import Cluster, ClusterSettings
-from primaplug.transport import ZmqTransport
-from primaplug.wire import ModelIdentity
-def anon():
-    with open("/proc/self/status") as f:
-        return next(int(x.split()[1]) * 1024 for x in f if x.startswith("RssAnon"))
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 def kept(size):  # what a block of `size` bytes, written and freed, leaves in the process
@@ -170,9 +167,6 @@ def kept(size):  # what a block of `size` bytes, written and freed, leaves in th
 libc.free(ctypes.c_void_p(libc.malloc(24 << 20)))  # glibc's threshold rises to 24 MiB, as any program's may
 print(kept(16 << 20))
 libc.malloc_trim(0)  # that block's pages back, so that the next one is a fresh allocation
-t = ZmqTransport()
-cluster = Cluster(t, ClusterSettings(nodes=tuple(sys.argv[2].split(","))),
-                  ModelIdentity.of(read_layout(sys.argv[1]), "m.gguf"))
 cluster.connect()
 print(kept(16 << 20))
 cluster.close()

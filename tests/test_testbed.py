@@ -150,7 +150,7 @@ def test_a_draft_cut_from_a_target_whose_later_layers_add_nothing_gives_its_logi
     from primaplug.engine.synthetic import SyntheticSpec, write_synthetic_gguf
 
     def logits(path: Path) -> np.ndarray:
-        with plain_llama(path, n_ctx=64, n_threads=1, n_threads_batch=1, logits_all=True, verbose=False) as llm:
+        with plain_llama(path, n_ctx=64, n_threads=1, logits_all=True, verbose=False) as llm:
             llm.eval([3 + 7 * i for i in range(12)])
             return np.array(llm.scores[: llm.n_tokens])
 
