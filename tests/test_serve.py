@@ -49,7 +49,7 @@ def llm(gemma_path: Path, nodes: Any) -> Iterator[Any]:
     # no chat_format: the bundled Gemma carries no template, and its tokenizer's turn markers choose gemma's
     ring = primaplug.Llama(gemma_path, nodes=nodes.addresses, scheduler="even", node_threads=1, n_parallel=PARALLEL,
                            **SERVE_KWARGS)
-    assert ring.chat_format == "gemma", ring.chat_format_reason
+    assert ring.chat_format == "gemma" and ring.chat_format_fallback, ring.chat_format_reason
     try:
         yield ring
     finally:

@@ -269,6 +269,11 @@ def main(args: argparse.Namespace) -> int:
                                                log_level="warning"))
         if args.ssl_certfile is None and not is_loopback(args.host) and args.api_key is not None:
             say("warning: without --ssl_certfile the API key and every request travel unencrypted")
+        if llm.chat_format_fallback:
+            # a base model's file has no template, and chatting through the format its tokenizer suggests gives
+            # noise: say which format /v1/chat/completions uses, and that /v1/completions continues plain text
+            say(f"chat completions use the {llm.chat_format} format ({llm.chat_format_reason}); a base model "
+                "answers better through /v1/completions, and --chat-format chooses another format")
         sock.listen(2048)  # from here a client that connects waits for uvicorn rather than being refused
         say(f"serving {alias} at {url(args)} ({args.parallel} requests at once); Ctrl-C stops")
         # uvicorn raises the Ctrl-C again once it has shut down: that is how serve ends, not an error

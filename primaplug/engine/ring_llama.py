@@ -151,9 +151,11 @@ class RingLlama(llama_cpp.Llama):
                                                                  head.is_special)
             if chosen is not None:
                 kwargs["chat_format"] = chosen
+            self.chat_format_fallback = chosen is not None  # the file has no template: a format chosen for it
             log.info("chat format: %s (%s)", chosen or "the model's own template", self.chat_format_reason)
         else:
             self.chat_format_reason = "given" if kwargs.get("chat_format") else "a chat handler given"
+            self.chat_format_fallback = False
         with _head_parts(head, session):
             super().__init__(head.path, **kwargs)
         self._out: Window = self._ctx.window  # type: ignore[attr-defined]
