@@ -143,13 +143,13 @@ SPLITS: dict[str, dict[str, Any]] = {
 }
 
 # model, split, n_batch, n_ubatch, logits_all, prompt lengths: below, equal to, one over and several times n_batch
-# (one over ends in a one-token batch, the others in longer ones). Gemma's 262k-entry vocabulary makes its prompts
-# costly (and its every-row logits more so: test_ring covers those): fewer lengths for it.
+# (one over ends in a one-token batch, the others in longer ones). The synthetic qwen3 walks every boundary; Gemma,
+# a real model whose prompts cost 20 times as much (its every-row logits more: test_ring covers those), crosses each
+# kind of boundary once per batch shape and split.
 BATCH_CASES = [
-    ("gemma", "even", 16, 16, False, (1, 15, 16, 17, 40)),
-    ("gemma", "even", 16, 8, False, (1, 15, 16, 17, 40)),
-    ("gemma", "even", 64, 32, False, (1, 63, 64, 65, 150)),
-    ("gemma", "6+6+head6", 16, 8, False, (1, 17, 40)),
+    ("gemma", "even", 16, 8, False, (1, 16, 17, 40)),
+    ("gemma", "even", 64, 32, False, (1, 64, 65)),
+    ("gemma", "6+6+head6", 16, 8, False, (17, 40)),
     ("gemma", "3+3+head3x2", 16, 16, False, (1, 17, 40)),
     ("qwen3", "even", 16, 8, False, (1, 15, 16, 17, 40, 100)),
     ("qwen3", "even", 64, 32, False, (1, 40, 63, 64, 65, 100, 200)),
