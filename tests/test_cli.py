@@ -236,6 +236,8 @@ def test_plan_and_run_with_a_draft(gemma_path) -> None:
     out = run_cli("plan", "--local-nodes", "2", "-m", str(gemma_path), "--model-draft", str(gemma_path), "-c", "512")
     assert out.returncode == 0, out.stderr
     assert re.search(r"speculation: a drafted token costs [\d.]+ ms, a trip round the ring [\d.]+ ms", out.stdout)
+    # the plan is the command's output, once: not also among the progress lines on stderr
+    assert out.stdout.count("plan by halda:") == 1 and "plan by halda" not in out.stderr, out.stderr
     text = "Text: one two three four five six seven eight. Again: one two three four five"
     out = run_cli("run", "-m", str(gemma_path), "--layers", "9,9", "--model-draft", "prompt-lookup", "--draft-min",
                   "2", "-p", text, "-n", "16", "--temp", "0", "-c", "512", "--verify")

@@ -295,9 +295,11 @@ def ring_llama(args: argparse.Namespace, path: Path, kwargs: dict[str, Any]) -> 
 
 class EventLines:
     """Shows the head's events on stderr: a bar per node while nodes profile or load (redrawn in place on a
-    terminal), and a line for each step of the head's own."""
+    terminal), and a line for each step of the head's own. `plan_lines=False` leaves the plan out, for a command
+    that prints it as its result (`primaplug plan`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, plan_lines: bool = True) -> None:
+        self.plan_lines = plan_lines
         self.tty = sys.stderr.isatty()
         self.last: dict[str, str] = {}
         self.open_bar = False
@@ -330,7 +332,7 @@ class EventLines:
                 self._line(f"{event.node} {event.state}: {event.message}")
             case Notice():
                 self._line(event.message)
-            case Planned():
+            case Planned() if self.plan_lines:
                 self._line(event.description.replace("\n", "\nprimaplug:   "))
             case Deployed():
                 nodes = "; ".join(f"{n} {' '.join(map(str, r))}" for n, r in event.nodes)

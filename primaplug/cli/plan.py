@@ -34,7 +34,7 @@ def main(args: argparse.Namespace) -> int:
     layout = read_layout(path)
     layout.check_supported()
     events = Events()
-    events.subscribe(EventLines())
+    events.subscribe(EventLines(plan_lines=False))  # the plan is the command's output, on stdout
     with node_addresses(args, path) as addresses:
         transport = ZmqTransport(load_keys(args.keys) if args.keys else None)
         settings = ClusterSettings(nodes=tuple(addresses), n_ctx=args.ctx_size, n_batch=args.batch_size,
