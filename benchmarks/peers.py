@@ -2,15 +2,17 @@
 """primaplug side by side with what a home user would run instead, on the same emulated devices, in one run
 (needs root: cgroups, dropping the page cache, LXCFS).
 
-    sudo .venv/bin/python benchmarks/peers.py --prima-cpp DIR --dllama DIR [--exo DIR] [--quick]
+    sudo .venv/bin/python benchmarks/peers.py --prima-cpp DIR --dllama DIR [--highs DIR] [--exo DIR] [--quick]
 
 Systems: primaplug; prima.cpp, llama.cpp's RPC backend, distributed-llama and exo (docs/peers.md says how each
-is built and started). prima.cpp and distributed-llama are checkouts of their public sources built by their own
-READMEs (this repository builds no peer's code); llama.cpp's RPC tools are built here from the pinned sdist's
-vendored llama.cpp. Every system runs on the same devices: each a cgroup (memory, disk reads, CPU) whose processes
-see its memory as theirs, with its own copy of the model, the same link proxies between devices, the page cache
-dropped before every run, the same prompt and number of greedy tokens; the head (each system's rank 0, client or
-root) is device 0, in its cgroup like the rest.
+is built and started). prima.cpp and distributed-llama are checkouts of their public sources, given by path and
+built here once by their own READMEs' commands (HiGHS for prima.cpp too, from a checkout of it, where it is not
+installed under /usr/local); llama.cpp's RPC tools are built here from the pinned sdist's vendored llama.cpp. Each
+build is cached under ~/.cache/primaplug/peers/ by its source and commands (peer_systems/builds.py), and the
+results record its commit and commands. No peer's code is copied into this repository. Every system runs on the
+same devices: each a cgroup (memory, disk reads, CPU) whose processes see its memory as theirs, with its own copy of
+the model, the same link proxies between devices, the page cache dropped before every run, the same prompt and
+number of greedy tokens; the head (each system's rank 0, client or root) is device 0, in its cgroup like the rest.
 
 Workloads (the median of --runs runs each):
   W1  the paper's regime: a 1.9 GB llama on paper-d1-d4/24, about 1.8x the pooled memory
@@ -37,7 +39,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -164,20 +166,36 @@ def reference(model: Path, tokens: int) -> dict[str, Any]:
 class Peers:
     """Where each system is, or why it is not."""
 
-    prima: Path | None
+    prima: Path | None  # the checkouts given
     dllama: Path | None
     exo: Path | None
-    rpc_bin: Path | None = None
-    rpc_error: str = ""
+    bins: dict[str, Path] = field(default_factory=dict)  # each built peer's folder of programs
+    errors: dict[str, str] = field(default_factory=dict)  # why a peer was not built
+
+    def build(self, systems: list[str], highs: Path | None, logs: Path) -> None:
+        """Each peer of `systems` built once (cached under ~/.cache/primaplug/peers/), or why it was not."""
+        cache = CACHE.parent / "peers"
+        prima, dl = self.prima, self.dllama
+        builders: dict[str, tuple[Callable[[], Path], str | None]] = {  # the build, or why there is none
+            "llama.cpp-rpc": (lambda: llama_rpc.build(cache, logs / "llama.cpp-rpc-build.log"), None),
+            "prima.cpp": (lambda: prima_cpp.build(prima, highs, cache, logs),  # type: ignore[arg-type]
+                          None if prima else "--prima-cpp DIR: a clone of Lizonghang/prima.cpp"),
+            "distributed-llama": (lambda: dllama.build(dl, cache, logs),  # type: ignore[arg-type]
+                                  None if dl else "--dllama DIR: a clone of b4rtaz/distributed-llama")}
+        for system in systems:
+            if system not in builders:
+                continue
+            make, lacking = builders[system]
+            if lacking:
+                self.errors[system] = f"no checkout given ({lacking}, built here by its README)"
+                continue
+            try:
+                self.bins[system] = make()
+            except Exception as e:  # noqa: BLE001 - the row says why
+                self.errors[system] = f"failed: its build did not finish: {e}"
 
     def missing(self, system: str) -> str | None:
-        if system == "prima.cpp":
-            return prima_cpp.missing(self.prima)
-        if system == "distributed-llama":
-            return dllama.missing(self.dllama)
-        if system == "llama.cpp-rpc":
-            return self.rpc_error or None
-        return None
+        return self.errors.get(system)
 
     def scrub(self, text: str) -> str:
         """What is committed names no path of this machine: the checkouts, this repository, the Python environment
@@ -204,12 +222,12 @@ class Peers:
             from benchmarks.peer_systems.base import git_commit
 
             return {"commit": git_commit(ROOT), "flags": f"engine: llama-cpp-python {engine.VERSION} + patches/"}
-        if system == "prima.cpp" and self.prima and not self.missing(system):
-            return prima_cpp.build_info(self.prima)
-        if system == "distributed-llama" and self.dllama and not self.missing(system):
-            return dllama.build_info(self.dllama)
-        if system == "llama.cpp-rpc" and self.rpc_bin:
-            return llama_rpc.build_info(self.rpc_bin)
+        if system == "prima.cpp" and system in self.bins:
+            return prima_cpp.build_info(self.bins[system])
+        if system == "distributed-llama" and system in self.bins:
+            return dllama.build_info(self.bins[system])
+        if system == "llama.cpp-rpc" and system in self.bins:
+            return llama_rpc.build_info(self.bins[system])
         if system == "exo" and self.exo:
             from benchmarks.peer_systems.base import git_commit
 
@@ -247,14 +265,11 @@ def run_once(system: str, peers: Peers, w: Workload, devices: tuple[Device, ...]
             if system == "primaplug":
                 out = primaplug_run.run(rig, job, first, scale=24.0 if w.name != "W3" else 1.0)
             elif system == "prima.cpp":
-                assert peers.prima is not None
-                out = prima_cpp.run(peers.prima, rig, job, first)
+                out = prima_cpp.run(peers.bins[system], rig, job, first)
             elif system == "llama.cpp-rpc":
-                assert peers.rpc_bin is not None
-                out = llama_rpc.run(peers.rpc_bin, rig, job, first)
+                out = llama_rpc.run(peers.bins[system], rig, job, first)
             else:
-                assert peers.dllama is not None
-                out = run_dllama(peers.dllama, rig, job, first, model)
+                out = run_dllama(peers.bins[system], rig, job, first, model)
         except Exception as e:  # a harness error is recorded as the run's failure, with what it said
             out = Outcome("failed", error=f"{type(e).__name__}: {e}")
         # the OOM killer's victims: a process of the system's own killed by SIGKILL in a device whose cgroup counted
@@ -285,7 +300,7 @@ def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
 
-def run_dllama(src: Path, rig: Rig, job: Job, first: Callable[[], None], model: Path) -> Outcome:
+def run_dllama(bin_dir: Path, rig: Rig, job: Job, first: Callable[[], None], model: Path) -> Outcome:
     shapes = dllama.shapes_of(model)
     n = len(job.extra.get("devices", rig.devices))
     if why := dllama.unsupported(n):
@@ -293,7 +308,7 @@ def run_dllama(src: Path, rig: Rig, job: Job, first: Callable[[], None], model: 
     m = dllama.write_model(shapes, model.with_suffix(".dllama.m"))
     t = dllama.write_tokenizer(model, model.with_suffix(".dllama.t"))
     djob = dataclasses.replace(job, prompt=DLLAMA_PROMPT)
-    return dllama.run(src, rig, djob, first, m, t, prompt_tokens=len(DLLAMA_PROMPT) + 1)
+    return dllama.run(bin_dir, rig, djob, first, m, t, prompt_tokens=len(DLLAMA_PROMPT) + 1)
 
 
 # --- placements and the search ---------------------------------------------------------------------------------
@@ -416,8 +431,12 @@ def tokens_match(run: dict[str, Any], ref: dict[str, Any]) -> bool | None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # resolved: each system's processes run in their device's folder, where a relative path means nothing
-    ap.add_argument("--prima-cpp", type=_checkout, help="a checkout of Lizonghang/prima.cpp built by its README")
-    ap.add_argument("--dllama", type=_checkout, help="a checkout of b4rtaz/distributed-llama built by its README")
+    ap.add_argument("--prima-cpp", type=_checkout, help="a checkout of Lizonghang/prima.cpp (built here once, by its "
+                    "README: make USE_HIGHS=1 llama-cli)")
+    ap.add_argument("--highs", type=_checkout, help="a checkout of ERGO-Code/HiGHS, for prima.cpp's scheduler where "
+                    "HiGHS is not installed under /usr/local (built here once, with cmake)")
+    ap.add_argument("--dllama", type=_checkout, help="a checkout of b4rtaz/distributed-llama (built here once, by its "
+                    "README: make dllama)")
     ap.add_argument("--exo", type=_checkout, help="a checkout of exo-explore/exo (its outcome is recorded, "
                     "docs/peers.md)")
     ap.add_argument("--workloads", default="W1,W2,W3,W4")
@@ -439,11 +458,7 @@ def main() -> int:
         a.workloads, a.runs, a.no_search = "W3,W1", 1, True
     systems = [s for s in a.systems.split(",") if s]
     peers = Peers(a.prima_cpp, a.dllama, a.exo)
-    if "llama.cpp-rpc" in systems:
-        try:
-            peers.rpc_bin = llama_rpc.build(CACHE.parent / "peers", a.workdir / "llama.cpp-rpc-build.log")
-        except Exception as e:  # noqa: BLE001 - the row says why
-            peers.rpc_error = f"failed: its build did not finish: {e}"
+    peers.build(systems, a.highs, a.workdir)
     out_name = "peers_quick" if a.quick else "peers"
     logs = RESULTS / out_name
     # a run of some workloads replaces those in the results and keeps the others (each says when it ran)

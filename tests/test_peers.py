@@ -290,3 +290,70 @@ def test_primaplug_s_head_process_carries_none_of_the_harness() -> None:
                          cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.strip() == ("['benchmarks.peer_systems', 'benchmarks.peer_systems.primaplug_head', "
                                   "'benchmarks.testbed', 'benchmarks.testbed.linkclient']"), out.stdout + out.stderr
+
+
+def _checkout(path: Path, makefile: str) -> Path:
+    """A git checkout holding a Makefile, committed, with a build product and an untracked file beside it."""
+    import subprocess
+
+    path.mkdir()
+    (path / "Makefile").write_text(makefile)
+    (path / "big.bin").write_text("a large tracked file")
+    git = ["git", "-C", str(path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for cmd in (["init", "-q"], ["add", "Makefile", "big.bin"], ["commit", "-qm", "toy"]):
+        subprocess.run([*git, *cmd], check=True)
+    (path / "prog").write_text("stale: built in the checkout")
+    (path / "untracked.txt").write_text("not part of the source")
+    (path / "big.bin").unlink()  # a snapshot may lack its largest files, which no build needs
+    return path
+
+
+def test_a_peer_is_built_from_its_checkout_s_tracked_files_once_per_source_and_commands(tmp_path: Path,
+                                                                                          capsys) -> None:
+    from benchmarks.peer_systems import builds
+
+    src = _checkout(tmp_path / "toy", "prog:\n\tls | grep -vx prog > prog\n")
+    cache, log = tmp_path / "cache", tmp_path / "logs" / "toy.log"
+    out = builds.cached("toy", src, [["make", "prog"]], {"prog": "bin/prog"}, cache, log, notes={"x": "y"})
+    assert (out / "bin" / "prog").read_text().split() == ["Makefile"]  # a copy: no product, no untracked file
+    assert (src / "prog").read_text().startswith("stale")  # the checkout is left as it was
+    done = builds.recorded(out)
+    commit = builds.source_key(src)[0]
+    assert (done["commit"], done["uncommitted"], done["commands"], done["x"]) == (commit, [], [["make", "prog"]], "y")
+    assert builds.summary(out) == {"commit": commit, "flags": "make prog"}
+    assert "building toy" in capsys.readouterr().err
+    assert builds.cached("toy", src, [["make", "prog"]], {"prog": "bin/prog"}, cache, log) == out
+    assert "building toy" not in capsys.readouterr().err  # cached
+    (src / "Makefile").write_text("prog:\n\techo changed > prog\n")  # an uncommitted change is another build
+    again = builds.cached("toy", src, [["make", "prog"]], {"prog": "bin/prog"}, cache, log)
+    assert again != out and (again / "bin" / "prog").read_text() == "changed\n"
+    assert builds.recorded(again)["uncommitted"] == ["Makefile"]
+    assert builds.summary(again)["commit"] == f"{commit} with uncommitted changes to 1 file(s)"
+
+
+def test_a_peer_build_that_fails_keeps_nothing_and_says_where_its_log_is(tmp_path: Path) -> None:
+    from benchmarks.peer_systems import builds
+
+    src = _checkout(tmp_path / "toy", "prog:\n\tfalse\n")
+    cache, log = tmp_path / "cache", tmp_path / "toy.log"
+    with pytest.raises(builds.BuildError, match=rf"building toy failed at `make prog`: see {log}"):
+        builds.cached("toy", src, [["make", "prog"]], {"prog": "prog"}, cache, log)
+    assert "$ make prog" in log.read_text() and list(cache.iterdir()) == []
+    with pytest.raises(builds.BuildError, match="made no lib/libtoy.so"):  # `{out}`: an install prefix
+        builds.cached("toy", src, [["sh", "-c", "mkdir -p {out}/lib"]], {}, cache, log, expect=("lib/libtoy.so",))
+    assert list(cache.iterdir()) == []
+    out = builds.cached("toy", src, [["sh", "-c", "mkdir -p {out}/lib && touch {out}/lib/libtoy.so"]], {}, cache,
+                        log, expect=("lib/libtoy.so",))
+    assert (out / "lib" / "libtoy.so").exists()
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(builds.BuildError, match="git rev-parse failed in .*not a git repository.*give a clone"):
+        builds.cached("toy", tmp_path / "plain", [["true"]], {}, cache, log)
+
+
+def test_prima_cpp_without_highs_asks_for_a_checkout_of_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks.peer_systems import builds, prima_cpp
+
+    monkeypatch.setattr(prima_cpp, "README_PREFIX", tmp_path)  # no HiGHS where prima.cpp's Makefile looks
+    assert not prima_cpp.highs_installed()
+    with pytest.raises(builds.BuildError, match=r"needs HiGHS.*give --highs DIR"):
+        prima_cpp.build(tmp_path / "prima.cpp", None, tmp_path / "cache", tmp_path)

@@ -4,10 +4,10 @@ layer, which the worker holds in memory. Its node count is a power of two and at
 root says so itself, in a log kept with the row); its weights are Q40 (its own `.m` format, no GGUF), its buffers
 Q80.
 
-Built by its README in a checkout given by path (`make dllama`), never here. Its model file is written here from the
-GGUF's shapes (`write_model`): the same architecture, sizes and vocabulary, with random Q40 weights, in the format
-its converter writes (a header of (key, value) pairs, then the tensors in a fixed order). So its tokens are not
-compared with the GGUF's: its weights are other numbers, and Q40 rather than Q4_K.
+Built from a checkout given by path, by its README (`make dllama`, peer_systems/builds.py). Its model file is
+written here from the GGUF's shapes (`write_model`): the same architecture, sizes and vocabulary, with random Q40
+weights, in the format its converter writes (a header of (key, value) pairs, then the tensors in a fixed order). So
+its tokens are not compared with the GGUF's: its weights are other numbers, and Q40 rather than Q4_K.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.peer_systems.base import Job, Outcome, git_commit, last_lines, stdout_tpot, watch_first_output
+from benchmarks.peer_systems import builds
+from benchmarks.peer_systems.base import Job, Outcome, last_lines, stdout_tpot, watch_first_output
 from benchmarks.peer_systems.rig import Rig, free_port_block, wait_listening
 
 NAME = "distributed-llama"
@@ -37,20 +38,20 @@ EVAL = re.compile(r"Eval\s*(\d+) ms Sync\s*(\d+) ms")
 REFUSAL = re.compile(r"This version (?:does not support|supports only)[^\n]*")
 
 
-def binary(src: Path) -> Path:
-    return src / "dllama"
+MAKE = ["make", "dllama"]
 
 
-def missing(src: Path | None) -> str | None:
-    if src is None:
-        return "no checkout given (--dllama DIR: a clone of b4rtaz/distributed-llama built by its README)"
-    if not binary(src).exists():
-        return f"{binary(src)} is missing: build it in {src} by its README (make dllama)"
-    return None
+def binary(bin_dir: Path) -> Path:
+    return bin_dir / "dllama"
 
 
-def build_info(src: Path) -> dict[str, str]:
-    return {"commit": git_commit(src), "flags": "make dllama", "binary": "dllama"}
+def build(src: Path, cache: Path, logs: Path) -> Path:
+    """dllama built from the checkout `src` (cached); returns the folder that holds it."""
+    return builds.cached(NAME, src, [MAKE], {"dllama": "dllama"}, cache, logs / "distributed-llama-build.log")
+
+
+def build_info(bin_dir: Path) -> dict[str, str]:
+    return builds.summary(bin_dir) | {"binary": "dllama"}
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,7 @@ def refusal(text: str) -> str | None:
     return f"unsupported: {m.group(0).strip()}" if m else None
 
 
-def run(src: Path, rig: Rig, job: Job, on_first_token: callable, model: Path, tokenizer: Path,  # type: ignore[valid-type]
+def run(bin_dir: Path, rig: Rig, job: Job, on_first_token: callable, model: Path, tokenizer: Path,  # type: ignore[valid-type]
         prompt_tokens: int) -> Outcome:
     """The root on device 0, workers on the others of job.extra["devices"] (default: every device);
     job.extra["net_turbo"] False: its blocking network mode (--net-turbo 0) instead of the default polling one."""
@@ -207,14 +208,14 @@ def run(src: Path, rig: Rig, job: Job, on_first_token: callable, model: Path, to
     port = free_port_block(len(rig.devices))
     workers = []
     for i in used[1:]:
-        workers.append(rig.spawn(i, [str(binary(src)), "worker", "--port", str(port + i), "--nthreads",
+        workers.append(rig.spawn(i, [str(binary(bin_dir)), "worker", "--port", str(port + i), "--nthreads",
                                      str(job.threads[i]), *turbo], job.logs / f"worker-{rig.devices[i].name}.log",
                                  name=f"worker {rig.devices[i].name}"))
     for i, wk in zip(used[1:], workers, strict=True):
         if not wait_listening(wk, port + i, 30):
             return Outcome("failed", error=f"{wk.name} did not start: {last_lines(wk.text())}")
     addresses = [rig.link(0, f"tcp://127.0.0.1:{port + i}", to=i).removeprefix("tcp://") for i in used[1:]]
-    argv = [str(binary(src)), "inference", "--model", str(rig.copy(0, model)), "--tokenizer",
+    argv = [str(binary(bin_dir)), "inference", "--model", str(rig.copy(0, model)), "--tokenizer",
             str(rig.copy(0, tokenizer)), "--buffer-float-type", "q80", "--prompt", job.prompt,
             "--steps", str(prompt_tokens - 1 + job.tokens), "--nthreads", str(job.threads[0]),
             "--max-seq-len", str(job.n_ctx), "--temperature", "0", "--seed", "0", *turbo]

@@ -1,7 +1,9 @@
 """prima.cpp (Lizonghang/prima.cpp), the system of the paper primaplug builds on: one `llama-cli` per device, rank 0
 the head, joined in a ring over ZeroMQ, its own scheduler (Halda over HiGHS) on rank 0, `--prefetch` on every rank.
 
-Built by its README in a checkout given by path (`make USE_HIGHS=1 llama-cli`; HiGHS from its source), never here.
+Built from a checkout given by path, by its README: `make USE_HIGHS=1 llama-cli`, with HiGHS where its Makefile looks
+(/usr/local, where its README installs it) or, given a HiGHS checkout, built from that first and named to make
+(peer_systems/builds.py keeps both builds).
 
 Ports: a rank binds `--data-port + rank` and `--signal-port + rank`, sends to `--next`:(its own data port + the next
 rank) and to `--master`:(its own data port + 0). Each rank gets data ports 100 apart, and a link proxy listens on
@@ -16,10 +18,10 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.peer_systems import builds
 from benchmarks.peer_systems.base import (
     Job,
     Outcome,
-    git_commit,
     last_lines,
     linked_libraries,
     llama_perf,
@@ -33,27 +35,49 @@ WINDOW = re.compile(r"Using window size: (\d+), GPU layers: (\d+)")
 UNSUPPORTED = re.compile(r"unknown model architecture: '([^']+)'")
 
 
-def binary(src: Path) -> Path:
-    return src / "llama-cli"
+README_PREFIX = Path("/usr/local")  # where prima.cpp's Makefile looks for HiGHS (HIGHS_CPPFLAGS, HIGHS_LDFLAGS)
+MAKE = ["make", "USE_HIGHS=1", "llama-cli"]
+HIGHS = [["cmake", "-S", ".", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DCMAKE_INSTALL_LIBDIR=lib",
+          "-DBUILD_TESTING=OFF", "-DBUILD_EXAMPLES=OFF"],
+         ["cmake", "--build", "build"],
+         ["cmake", "--install", "build", "--prefix", builds.OUT]]
 
 
-def missing(src: Path | None) -> str | None:
-    """Why prima.cpp cannot run from `src`, or None."""
-    if src is None:
-        return "no checkout given (--prima-cpp DIR: a clone of Lizonghang/prima.cpp built by its README)"
-    if not binary(src).exists():
-        return f"{binary(src)} is missing: build it in {src} by its README (make USE_HIGHS=1 llama-cli)"
-    return None
+def binary(bin_dir: Path) -> Path:
+    return bin_dir / "llama-cli"
 
 
-def build_info(src: Path) -> dict[str, str]:
-    libs = linked_libraries(binary(src))
-    return {"commit": git_commit(src), "binary": "llama-cli",
-            "flags": "make USE_HIGHS=1 llama-cli" if any("highs" in lib for lib in libs) else "make llama-cli",
-            "scheduler": "HiGHS (USE_HIGHS)" if any("highs" in lib for lib in libs) else "none (no HiGHS)"}
+def highs_installed(prefix: Path | None = None) -> bool:
+    prefix = prefix or README_PREFIX
+    return (prefix / "include" / "highs" / "Highs.h").exists() and any((prefix / "lib").glob("libhighs.so*"))
 
 
-def run(src: Path, rig: Rig, job: Job, on_first_token: callable) -> Outcome:  # type: ignore[valid-type]
+def build(src: Path, highs: Path | None, cache: Path, logs: Path) -> Path:
+    """llama-cli built from the checkout `src` (cached); returns the folder that holds it. Its scheduler needs HiGHS:
+    the one its README installs under /usr/local, else one built here from the HiGHS checkout `highs`."""
+    command, notes = MAKE, {"highs": f"installed under {README_PREFIX}"}
+    if highs is not None or not highs_installed():
+        if highs is None:
+            raise builds.BuildError(f"prima.cpp's scheduler needs HiGHS, which is not under {README_PREFIX}: give "
+                                    "--highs DIR (a clone of ERGO-Code/HiGHS, built here once), or install it by "
+                                    "prima.cpp's README")
+        prefix = builds.cached("HiGHS", highs, HIGHS, {}, cache, logs / "highs-build.log",
+                               expect=("include/highs/Highs.h", "lib/libhighs.so"))
+        command = [*MAKE, f"HIGHS_CPPFLAGS=-isystem {prefix}/include/highs",
+                   f"HIGHS_LDFLAGS=-L{prefix}/lib -lhighs -Wl,-rpath,{prefix}/lib"]
+        notes = {"highs": f"built from ERGO-Code/HiGHS {builds.recorded(prefix)['commit']}: "
+                          + " ; ".join(" ".join(c) for c in HIGHS)}
+    return builds.cached(NAME, src, [command], {"llama-cli": "llama-cli"}, cache, logs / "prima.cpp-build.log",
+                         notes=notes)
+
+
+def build_info(bin_dir: Path) -> dict[str, str]:
+    highs = any("highs" in lib for lib in linked_libraries(binary(bin_dir)))
+    return builds.summary(bin_dir) | {"binary": "llama-cli", "scheduler": f"HiGHS (USE_HIGHS), "
+                                      f"{builds.recorded(bin_dir)['highs']}" if highs else "none (no HiGHS)"}
+
+
+def run(bin_dir: Path, rig: Rig, job: Job, on_first_token: callable) -> Outcome:  # type: ignore[valid-type]
     used = job.extra.get("devices", list(range(len(rig.devices))))  # rank r on device used[r]; 0 the head's
     n = len(used)
     data, signal = free_port_block(100 * n), free_port_block(100 * n, start=41000)
@@ -66,7 +90,7 @@ def run(src: Path, rig: Rig, job: Job, on_first_token: callable) -> Outcome:  # 
                 rig.link(used[r], f"tcp://127.0.0.1:{signal_port[t] + t}", listen_port=signal_port[r] + t)
     procs = []
     for r, i in enumerate(used):
-        argv = [str(binary(src)), "-m", str(rig.copy(i, job.model)), "-t", str(job.threads[i]), "--world", str(n),
+        argv = [str(binary(bin_dir)), "-m", str(rig.copy(i, job.model)), "-t", str(job.threads[i]), "--world", str(n),
                 "--rank", str(r), "--master", "127.0.0.1", "--next", "127.0.0.1", "--data-port", str(data_port[r]),
                 "--signal-port", str(signal_port[r]), "--prefetch"]
         if r == 0:
