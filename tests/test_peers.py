@@ -314,7 +314,8 @@ def test_a_peer_is_built_from_its_checkout_s_tracked_files_once_per_source_and_c
 
     src = _checkout(tmp_path / "toy", "prog:\n\tls | grep -vx prog > prog\n")
     cache, log = tmp_path / "cache", tmp_path / "logs" / "toy.log"
-    out = builds.cached("toy", src, [["make", "prog"]], {"prog": "bin/prog"}, cache, log, notes={"x": "y"})
+    out = builds.cached("toy", builds.checkout(src), [["make", "prog"]], {"prog": "bin/prog"}, cache, log,
+                        notes={"x": "y"})
     assert (out / "bin" / "prog").read_text().split() == ["Makefile"]  # a copy: no product, no untracked file
     assert (src / "prog").read_text().startswith("stale")  # the checkout is left as it was
     done = builds.recorded(out)
@@ -322,10 +323,10 @@ def test_a_peer_is_built_from_its_checkout_s_tracked_files_once_per_source_and_c
     assert (done["commit"], done["uncommitted"], done["commands"], done["x"]) == (commit, [], [["make", "prog"]], "y")
     assert builds.summary(out) == {"commit": commit, "flags": "make prog"}
     assert "building toy" in capsys.readouterr().err
-    assert builds.cached("toy", src, [["make", "prog"]], {"prog": "bin/prog"}, cache, log) == out
+    assert builds.cached("toy", builds.checkout(src), [["make", "prog"]], {"prog": "bin/prog"}, cache, log) == out
     assert "building toy" not in capsys.readouterr().err  # cached
     (src / "Makefile").write_text("prog:\n\techo changed > prog\n")  # an uncommitted change is another build
-    again = builds.cached("toy", src, [["make", "prog"]], {"prog": "bin/prog"}, cache, log)
+    again = builds.cached("toy", builds.checkout(src), [["make", "prog"]], {"prog": "bin/prog"}, cache, log)
     assert again != out and (again / "bin" / "prog").read_text() == "changed\n"
     assert builds.recorded(again)["uncommitted"] == ["Makefile"]
     assert builds.summary(again)["commit"] == f"{commit} with uncommitted changes to 1 file(s)"
@@ -337,17 +338,18 @@ def test_a_peer_build_that_fails_keeps_nothing_and_says_where_its_log_is(tmp_pat
     src = _checkout(tmp_path / "toy", "prog:\n\tfalse\n")
     cache, log = tmp_path / "cache", tmp_path / "toy.log"
     with pytest.raises(builds.BuildError, match=rf"building toy failed at `make prog`: see {log}"):
-        builds.cached("toy", src, [["make", "prog"]], {"prog": "prog"}, cache, log)
+        builds.cached("toy", builds.checkout(src), [["make", "prog"]], {"prog": "prog"}, cache, log)
     assert "$ make prog" in log.read_text() and list(cache.iterdir()) == []
+    toy = builds.checkout(src)
     with pytest.raises(builds.BuildError, match="made no lib/libtoy.so"):  # `{out}`: an install prefix
-        builds.cached("toy", src, [["sh", "-c", "mkdir -p {out}/lib"]], {}, cache, log, expect=("lib/libtoy.so",))
+        builds.cached("toy", toy, [["sh", "-c", "mkdir -p {out}/lib"]], {}, cache, log, expect=("lib/libtoy.so",))
     assert list(cache.iterdir()) == []
-    out = builds.cached("toy", src, [["sh", "-c", "mkdir -p {out}/lib && touch {out}/lib/libtoy.so"]], {}, cache,
-                        log, expect=("lib/libtoy.so",))
+    out = builds.cached("toy", toy, [["sh", "-c", "mkdir -p {out}/lib && touch {out}/lib/libtoy.so"]], {}, cache, log,
+                        expect=("lib/libtoy.so",))
     assert (out / "lib" / "libtoy.so").exists()
     (tmp_path / "plain").mkdir()
     with pytest.raises(builds.BuildError, match="git rev-parse failed in .*not a git repository.*give a clone"):
-        builds.cached("toy", tmp_path / "plain", [["true"]], {}, cache, log)
+        builds.cached("toy", builds.checkout(tmp_path / "plain"), [["true"]], {}, cache, log)
 
 
 def test_prima_cpp_without_highs_asks_for_a_checkout_of_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,8 +1,9 @@
-"""Each peer built from a checkout given by path, by its own README's commands, once per source and commands.
+"""Each peer built once per source and commands: from a checkout given by path, by its own README's commands, or
+(llama.cpp RPC) from the pinned sdist's vendored llama.cpp.
 
-The build runs in a copy of the checkout's tracked files (the checkout itself is left as it is; a snapshot may lack
+A checkout's build runs in a copy of its committed files (the checkout itself is left as it is; a snapshot may lack
 its largest files, such as prima.cpp's vocabulary tests, which no build needs), and what it made is kept under the
-cache, in a folder named for the peer, its commit and a key over the commit, any uncommitted change and the
+cache, in a folder named for the peer, its source and a key over the source, any uncommitted change and the
 commands. `build.json` there records them. A build that fails keeps nothing, and its log says why.
 """
 
@@ -15,6 +16,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 OUT = "{out}"  # in a command: the folder the build's products go to (an install prefix, say)
@@ -22,6 +25,18 @@ OUT = "{out}"  # in a command: the folder the build's products go to (an install
 
 class BuildError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class Source:
+    """What a build starts from: `commit` says which source it is (`label`, short, names its folder), `digest` keys
+    its content, `changed` lists files that differ from the commit, and `lay_out(tree)` puts the source at `tree`."""
+
+    commit: str
+    label: str
+    digest: str
+    lay_out: Callable[[Path], None]
+    changed: list[str] = field(default_factory=list)
 
 
 def _git(src: Path, *args: str) -> bytes:
@@ -66,6 +81,12 @@ def source_key(src: Path) -> tuple[str, str, list[str]]:
     return commit, digest.hexdigest(), changed
 
 
+def checkout(src: Path) -> Source:
+    """A git checkout as a build's source: its committed files as they are in it."""
+    commit, digest, changed = source_key(src)
+    return Source(commit, commit[:12], digest, lambda tree: copy_tracked(src, tree), changed)
+
+
 def copy_tracked(src: Path, dest: Path) -> None:
     """The files of the commit checked out that are present, into `dest` (no build products, no untracked files)."""
     for mode, name, _ in _tree(src):
@@ -78,18 +99,18 @@ def copy_tracked(src: Path, dest: Path) -> None:
                 shutil.copy2(f, to)
 
 
-def cached(name: str, src: Path, commands: list[list[str]], products: dict[str, str], cache: Path, log: Path,
+def cached(name: str, source: Source, commands: list[list[str]], products: dict[str, str], cache: Path, log: Path,
            expect: tuple[str, ...] = (), notes: dict[str, str] | None = None) -> Path:
-    """Build `name` from the checkout `src` once: `commands` run in a copy of it (`{out}` in them is the output
-    folder), then each of `products` (a path in the copy: its path in the output folder) is copied out. Returns the
-    output folder, where every product and each of `expect` exist. `notes` are recorded with the build."""
-    commit, digest, changed = source_key(src)
-    key = hashlib.sha256((digest + json.dumps([commands, products])).encode()).hexdigest()[:12]
-    out = cache / f"{name}-{commit[:12]}-{key}"
+    """Build `name` from `source` once: `commands` run in a copy of it (`{out}` in them is the output folder), then
+    each of `products` (a path in the copy: its path in the output folder) is copied out. Returns the output folder,
+    where every product and each of `expect` exist. `notes` are recorded with the build."""
+    key = hashlib.sha256((source.digest + json.dumps([commands, products])).encode()).hexdigest()[:12]
+    out = cache / f"{name}-{source.label}-{key}"
     wanted = [*products.values(), *expect]
     if out.is_dir() and all((out / p).exists() for p in wanted):
         return out
-    print(f"peers: building {name} at {commit[:12]} from {src} (once; log {log})", file=sys.stderr, flush=True)
+    print(f"peers: building {name} from {source.commit} (once, several minutes; log {log})", file=sys.stderr,
+          flush=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(out.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
@@ -97,7 +118,7 @@ def cached(name: str, src: Path, commands: list[list[str]], products: dict[str, 
     try:
         with tempfile.TemporaryDirectory() as tmp, open(log, "w") as lf:
             tree = Path(tmp) / name
-            copy_tracked(src, tree)
+            source.lay_out(tree)
             for cmd in commands:
                 argv = [a.replace(OUT, str(staging)) for a in cmd]
                 lf.write(f"$ {' '.join(argv)}\n")
@@ -110,7 +131,7 @@ def cached(name: str, src: Path, commands: list[list[str]], products: dict[str, 
         lacking = [p for p in wanted if not (staging / p).exists()]
         if lacking:
             raise BuildError(f"building {name} made no {', '.join(lacking)}: see {log}")
-        (staging / "build.json").write_text(json.dumps({"commit": commit, "uncommitted": changed,
+        (staging / "build.json").write_text(json.dumps({"commit": source.commit, "uncommitted": source.changed,
                                                         "commands": commands} | (notes or {}), indent=1))
         shutil.rmtree(out, ignore_errors=True)
         staging.rename(out)

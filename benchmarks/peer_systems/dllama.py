@@ -47,7 +47,8 @@ def binary(bin_dir: Path) -> Path:
 
 def build(src: Path, cache: Path, logs: Path) -> Path:
     """dllama built from the checkout `src` (cached); returns the folder that holds it."""
-    return builds.cached(NAME, src, [MAKE], {"dllama": "dllama"}, cache, logs / "distributed-llama-build.log")
+    return builds.cached(NAME, builds.checkout(src), [MAKE], {"dllama": "dllama"}, cache,
+                         logs / "distributed-llama-build.log")
 
 
 def build_info(bin_dir: Path) -> dict[str, str]:

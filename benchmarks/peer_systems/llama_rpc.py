@@ -16,16 +16,12 @@ stays on its CPU.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
+from benchmarks.peer_systems import builds
 from benchmarks.peer_systems.base import (
     Job,
     Outcome,
@@ -56,29 +52,14 @@ def build(cache: Path, log: Path) -> Path:
     from primaplug.engine import build as engine
 
     sdist = engine.fetch_sdist(sys.executable, sys.stderr)
-    key = hashlib.sha256((engine.SDIST_SHA256 + json.dumps(flags() + TARGETS)).encode()).hexdigest()[:12]
-    out = cache / f"llama.cpp-rpc-{engine.VERSION}-{key}"
-    if all((out / "bin" / t).exists() for t in TARGETS):
-        return out / "bin"
-    print(f"peers: building llama.cpp's RPC server and client from {sdist.name} (once, several minutes; log "
-          f"{log})", file=sys.stderr, flush=True)
-    log.parent.mkdir(parents=True, exist_ok=True)  # on a fresh machine, before the first run made it
-    with tempfile.TemporaryDirectory() as tmp, open(log, "w") as lf:
-        src = engine.unpack_source(sdist, Path(tmp)) / "vendor" / "llama.cpp"
-        build_dir = Path(tmp) / "build"
-        for cmd in (["cmake", "-S", str(src), "-B", str(build_dir), *flags()],
-                    ["cmake", "--build", str(build_dir), "-j", str(os.cpu_count() or 2), "--target", *TARGETS]):
-            if subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT).returncode != 0:
-                raise RuntimeError(f"building llama.cpp's RPC tools failed: see {log}")
-        tmp_out = out.with_suffix(".tmp")
-        shutil.rmtree(tmp_out, ignore_errors=True)
-        (tmp_out / "bin").mkdir(parents=True)
-        for f in (build_dir / "bin").iterdir():  # the programs and the shared libraries beside them
-            if f.is_file():
-                shutil.copy2(f, tmp_out / "bin" / f.name)
-        (tmp_out / "build.json").write_text(json.dumps({"sdist": sdist.name, "flags": flags(), "targets": TARGETS}))
-        tmp_out.rename(out)
-    return out / "bin"
+
+    def lay_out(tree: Path) -> None:  # the sdist's vendored llama.cpp, as it is before primaplug's patches
+        shutil.move(engine.unpack_source(sdist, tree.parent) / "vendor" / "llama.cpp", tree)
+
+    source = builds.Source(f"{sdist.name} (sha256 {engine.SDIST_SHA256[:12]})", engine.VERSION, engine.SDIST_SHA256,
+                           lay_out)
+    commands = [["cmake", "-S", ".", "-B", "build", *flags()], ["cmake", "--build", "build", "--target", *TARGETS]]
+    return builds.cached(NAME, source, commands, {f"build/bin/{t}": f"bin/{t}" for t in TARGETS}, cache, log) / "bin"
 
 
 def build_info(bin_dir: Path) -> dict[str, str]:

@@ -61,14 +61,14 @@ def build(src: Path, highs: Path | None, cache: Path, logs: Path) -> Path:
             raise builds.BuildError(f"prima.cpp's scheduler needs HiGHS, which is not under {README_PREFIX}: give "
                                     "--highs DIR (a clone of ERGO-Code/HiGHS, built here once), or install it by "
                                     "prima.cpp's README")
-        prefix = builds.cached("HiGHS", highs, HIGHS, {}, cache, logs / "highs-build.log",
+        prefix = builds.cached("HiGHS", builds.checkout(highs), HIGHS, {}, cache, logs / "highs-build.log",
                                expect=("include/highs/Highs.h", "lib/libhighs.so"))
         command = [*MAKE, f"HIGHS_CPPFLAGS=-isystem {prefix}/include/highs",
                    f"HIGHS_LDFLAGS=-L{prefix}/lib -lhighs -Wl,-rpath,{prefix}/lib"]
         notes = {"highs": f"built from ERGO-Code/HiGHS {builds.recorded(prefix)['commit']}: "
                           + " ; ".join(" ".join(c) for c in HIGHS)}
-    return builds.cached(NAME, src, [command], {"llama-cli": "llama-cli"}, cache, logs / "prima.cpp-build.log",
-                         notes=notes)
+    return builds.cached(NAME, builds.checkout(src), [command], {"llama-cli": "llama-cli"}, cache,
+                         logs / "prima.cpp-build.log", notes=notes)
 
 
 def build_info(bin_dir: Path) -> dict[str, str]:
