@@ -162,6 +162,16 @@ def reference(model: Path, tokens: int) -> dict[str, Any]:
             "n_batch": 64, "n_ubatch": 64}
 
 
+class NoCheckoutError(Exception):
+    pass
+
+
+def _given(checkout: Path | None, flag: str) -> Path:
+    if checkout is None:
+        raise NoCheckoutError(f"no checkout given ({flag}, built here by its README)")
+    return checkout
+
+
 @dataclass
 class Peers:
     """Where each system is, or why it is not."""
@@ -175,22 +185,18 @@ class Peers:
     def build(self, systems: list[str], highs: Path | None, logs: Path) -> None:
         """Each peer of `systems` built once (cached under ~/.cache/primaplug/peers/), or why it was not."""
         cache = CACHE.parent / "peers"
-        prima, dl = self.prima, self.dllama
-        builders: dict[str, tuple[Callable[[], Path], str | None]] = {  # the build, or why there is none
-            "llama.cpp-rpc": (lambda: llama_rpc.build(cache, logs / "llama.cpp-rpc-build.log"), None),
-            "prima.cpp": (lambda: prima_cpp.build(prima, highs, cache, logs),  # type: ignore[arg-type]
-                          None if prima else "--prima-cpp DIR: a clone of Lizonghang/prima.cpp"),
-            "distributed-llama": (lambda: dllama.build(dl, cache, logs),  # type: ignore[arg-type]
-                                  None if dl else "--dllama DIR: a clone of b4rtaz/distributed-llama")}
         for system in systems:
-            if system not in builders:
-                continue
-            make, lacking = builders[system]
-            if lacking:
-                self.errors[system] = f"no checkout given ({lacking}, built here by its README)"
-                continue
             try:
-                self.bins[system] = make()
+                if system == "llama.cpp-rpc":
+                    self.bins[system] = llama_rpc.build(cache, logs / "llama.cpp-rpc-build.log")
+                elif system == "prima.cpp":
+                    src = _given(self.prima, "--prima-cpp DIR: a clone of Lizonghang/prima.cpp")
+                    self.bins[system] = prima_cpp.build(src, highs, cache, logs)
+                elif system == "distributed-llama":
+                    src = _given(self.dllama, "--dllama DIR: a clone of b4rtaz/distributed-llama")
+                    self.bins[system] = dllama.build(src, cache, logs)
+            except NoCheckoutError as e:
+                self.errors[system] = str(e)
             except Exception as e:  # noqa: BLE001 - the row says why
                 self.errors[system] = f"failed: its build did not finish: {e}"
 
