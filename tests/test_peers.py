@@ -359,3 +359,14 @@ def test_prima_cpp_without_highs_asks_for_a_checkout_of_it(tmp_path: Path, monke
     assert not prima_cpp.highs_installed()
     with pytest.raises(builds.BuildError, match=r"needs HiGHS.*give --highs DIR"):
         prima_cpp.build(tmp_path / "prima.cpp", None, tmp_path / "cache", tmp_path)
+
+
+def test_a_peer_without_its_checkout_gets_a_row_that_says_which_flag_gives_it(tmp_path: Path) -> None:
+    from benchmarks.peers import Peers
+
+    peers = Peers(None, None, None)
+    peers.build(["primaplug", "prima.cpp", "distributed-llama", "exo"], None, tmp_path)
+    assert peers.bins == {} and set(peers.errors) == {"prima.cpp", "distributed-llama"}
+    assert peers.missing("prima.cpp") == ("no checkout given (--prima-cpp DIR: a clone of Lizonghang/prima.cpp, built "
+                                          "here by its README)")
+    assert "--dllama DIR" in peers.errors["distributed-llama"] and peers.missing("primaplug") is None
